@@ -1,0 +1,102 @@
+"""Model configuration: one hashable, static dataclass for every decoder family specjax runs.
+
+Built from an HF `config.json` dict (`from_hf_config`) or from GGUF metadata (io/gguf.py turns
+that into the same HF-style dict first), so both loaders share one path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "gemma3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  arch: str                       # "llama" | "qwen2" | "gemma3"
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10000.0
+  rope_local_theta: float | None = None     # gemma3 sliding layers
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] = ()         # "full" | "sliding", one per layer
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  qk_norm: bool = False                     # gemma3
+  sandwich_norm: bool = False               # gemma3: post-attention / post-ffn norms
+  embed_scale: bool = False                 # gemma3: embeddings times sqrt(d_model)
+  norm_offset: bool = False                 # gemma3: RMSNorm weight is (1 + w)
+  activation: str = "silu"                  # "silu" | "gelu_tanh"
+  query_scale: float | None = None          # default head_dim ** -0.5
+  bos_id: int | None = None
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    if self.arch not in ARCHS:
+      raise ValueError(f"unknown arch {self.arch!r}; specjax runs {ARCHS}")
+    if not self.layer_types:
+      object.__setattr__(self, "layer_types", ("full",) * self.n_layers)
+    if len(self.layer_types) != self.n_layers:
+      raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+  @property
+  def scale(self) -> float:
+    return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+  def replace(self, **kw) -> "ModelConfig":
+    if "n_layers" in kw and "layer_types" not in kw:
+      kw["layer_types"] = tuple(self.layer_types[i % len(self.layer_types)] for i in range(kw["n_layers"]))
+    return dataclasses.replace(self, **kw)
+
+
+def _gemma3_layer_types(hf: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+  if "layer_types" in hf and hf["layer_types"]:
+    return tuple("sliding" if t == "sliding_attention" else "full" for t in hf["layer_types"])
+  pattern = hf.get("sliding_window_pattern", 6)
+  return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
+
+
+def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
+  """ModelConfig from an HF `config.json` dict (llama, qwen2, gemma3 / gemma3_text)."""
+  model_type = hf.get("model_type", "")
+  if model_type in ("gemma3", "gemma3_text") and "text_config" in hf:
+    hf = {**hf["text_config"], "model_type": "gemma3_text"}
+    model_type = "gemma3_text"
+  d_model = hf["hidden_size"]
+  n_heads = hf["num_attention_heads"]
+  common = dict(
+      vocab_size=hf["vocab_size"], d_model=d_model, n_layers=hf["num_hidden_layers"],
+      n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", n_heads),
+      head_dim=hf.get("head_dim") or d_model // n_heads, ffn_dim=hf["intermediate_size"],
+      rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      bos_id=hf.get("bos_token_id"), eos_id=_first(hf.get("eos_token_id")))
+  if hf.get("rope_scaling"):
+    raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not supported yet")
+  if model_type == "llama":
+    return ModelConfig(arch="llama", qkv_bias=bool(hf.get("attention_bias", False)),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
+  if model_type == "qwen2":
+    return ModelConfig(arch="qwen2", qkv_bias=True,
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
+  if model_type in ("gemma3_text", "gemma3"):
+    n_layers = common["n_layers"]
+    return ModelConfig(
+        arch="gemma3", tie_embeddings=True, qk_norm=True, sandwich_norm=True, embed_scale=True,
+        norm_offset=True, activation="gelu_tanh",
+        rope_local_theta=float(hf.get("rope_local_base_freq", 10000.0)),
+        sliding_window=hf.get("sliding_window"), layer_types=_gemma3_layer_types(hf, n_layers),
+        query_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5, **common)
+  raise ValueError(f"unsupported model_type {model_type!r}; specjax runs llama, qwen2, gemma3")
+
+
+def _first(x):
+  return x[0] if isinstance(x, (list, tuple)) else x

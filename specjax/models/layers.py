@@ -1,0 +1,118 @@
+"""Building blocks of the decoder families: RMSNorm, rotary embeddings, attention, MLP.
+
+Flax NNX modules define the parameters; their `__call__`s are pure functions of inputs and the
+KV arrays they are handed (caches are never module state).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+NEG_INF = -1e30
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel (+ bias). kernel is [in, out] (HF stores [out, in]; loaders transpose)."""
+
+  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+    std = d_in ** -0.5
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32).astype(dtype) * std)
+    self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+    if self.bias is not None:
+      y = y + self.bias[...]
+    return y
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm in float32; `offset` gives Gemma's (1 + w) weight."""
+
+  def __init__(self, dim: int, eps: float, *, offset: bool, dtype):
+    self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
+    self.eps = eps
+    self.offset = offset
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    w = self.weight[...].astype(jnp.float32)
+    if self.offset:
+      w = 1.0 + w
+    return (xf * w).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotate-half rotary embedding. x [B, T, H, D], positions [B, T] int."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))      # [D/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq                   # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]                                           # [B, T, 1, D/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+  """Grouped-query attention over the whole cache.
+
+  q [B, T, H, D]; k, v [B, S, KVH, D]; mask [B, T, S] bool (True = visible). -> [B, T, H, D]
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d)                                          # [B, T, KVH, G, D]
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)                  # [B, KVH, G, T, S]
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)                                 # [B, T, KVH, G, D]
+  return out.reshape(b, t, h, d)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg, *, sliding: bool, dtype, rngs: nnx.Rngs):
+    h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.q_proj = Linear(cfg.d_model, h * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.k_proj = Linear(cfg.d_model, kvh * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.v_proj = Linear(cfg.d_model, kvh * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(h * d, cfg.d_model, bias=False, dtype=dtype, rngs=rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+      self.k_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+    else:
+      self.q_norm = self.k_norm = None
+    self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, d
+    self.theta = cfg.rope_local_theta if (sliding and cfg.rope_local_theta) else cfg.rope_theta
+    self.scale = cfg.scale
+
+  def __call__(self, x, positions, write_kv, mask):
+    """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S]."""
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)                 # [B, T, H, D]
+    k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)              # [B, T, KVH, D]
+    v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+    k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
+    out = attend(q, k_all, v_all, mask, self.scale)                               # [B, T, H, D]
+    return self.o_proj(out.reshape(b, t, -1)), (k_all, v_all)
+
+
+class MLP(nnx.Module):
+  """Gated MLP: down(act(gate(x)) * up(x))."""
+
+  def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    self.gate_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)
+    self.up_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)
+    self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False, dtype=dtype, rngs=rngs)
+    self.activation = cfg.activation
+
+  def __call__(self, x):
+    g = self.gate_proj(x)
+    g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+    return self.down_proj(g * self.up_proj(x))

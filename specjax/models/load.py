@@ -1,0 +1,55 @@
+"""One entry point for loading a target or draft model: a fetch name, a GGUF file, or an HF dir."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig, from_hf_config
+from specjax.models.weights import params_from_hf
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """A model ready to run: static config, parameter pytree, and (when known) its tokenizer."""
+  name: str
+  cfg: ModelConfig
+  params: Any
+  tokenizer: Any = None
+  source: str = ""
+
+
+def resolve_path(name_or_path: str) -> Path:
+  """A fetch name (downloaded on first use) or an existing GGUF file / HF directory."""
+  from specjax.io import fetch
+  if name_or_path in fetch.MODELS:
+    return fetch.fetch(name_or_path)
+  path = Path(name_or_path).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(f"{name_or_path!r} is neither a known model ({', '.join(sorted(fetch.MODELS))}) "
+                            "nor an existing GGUF file / HF checkpoint directory")
+  return path
+
+
+def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = True,
+               progress: bool = True) -> LoadedModel:
+  path = resolve_path(name_or_path)
+  tokenizer = None
+  if path.is_dir():
+    from specjax.io.safetensors import load_safetensors_dir
+    hf, tensors = load_safetensors_dir(path)
+  elif path.suffix == ".gguf":
+    from specjax.io.gguf import load_gguf
+    hf, tensors = load_gguf(path, progress=progress)
+    if with_tokenizer:
+      from specjax.io.tokenizer import Tokenizer
+      tokenizer = Tokenizer.from_gguf(path)
+  else:
+    raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
+  cfg = from_hf_config(hf)
+  params = params_from_hf(cfg, tensors, dtype=dtype)
+  return LoadedModel(name=Path(name_or_path).stem if not path.is_dir() else path.name,
+                     cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))

@@ -1,0 +1,52 @@
+"""Map HF-named tensors (what both loaders produce) onto the NNX parameter tree of a config."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.config import ModelConfig
+from specjax.models.decoder import Transformer
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+  """Our parameter path -> (HF tensor name, whether HF stores it transposed)."""
+  parts = [str(p) for p in path]
+  if parts == ["embed_tokens", "embedding"]:
+    return "model.embed_tokens.weight", False
+  if parts == ["lm_head", "kernel"]:
+    return "lm_head.weight", True
+  leaf = parts[-1]
+  transposed = leaf == "kernel"
+  hf_leaf = "bias" if leaf == "bias" else "weight"
+  return "model." + ".".join(parts[:-1] + [hf_leaf]), transposed
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
+  """Parameters of `cfg` filled from HF-named tensors ([out, in] layout). Missing or misshapen
+  tensors are errors that name the tensor."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(state)
+  used = set()
+
+  def fill(path, leaf):
+    keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    name, transposed = _hf_name(keys)
+    if name not in tensors:
+      raise KeyError(f"checkpoint lacks tensor {name!r} (needed for parameter {'/'.join(map(str, keys))})")
+    arr = np.asarray(tensors[name])
+    if transposed:
+      arr = arr.T
+    if arr.shape != leaf.shape:
+      raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected {leaf.shape}")
+    used.add(name)
+    return jnp.asarray(arr, dtype=dtype)
+
+  filled = jax.tree_util.tree_map_with_path(fill, pure)
+  nnx.replace_by_pure_dict(state, filled)
+  return state

@@ -1,0 +1,64 @@
+"""Model state as immutable pytrees: the KV cache with per-sequence lengths.
+
+A KV cache holds, per layer, keys and values for `capacity` slots of every sequence, and one
+length per sequence. Slots `[0, length)` are committed; anything past `length` is stale and is
+never attended to. Writing T new tokens puts them at slots `length .. length+T-1`; rolling back a
+rejected draft is just setting `lengths` lower. A checkpoint is the previous value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+class CacheOverflowError(ValueError):
+  """A sequence would grow past the KV cache's capacity."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  k: tuple[jax.Array, ...]        # per layer [B, S, KVH, D]
+  v: tuple[jax.Array, ...]        # per layer [B, S, KVH, D]
+  lengths: jax.Array              # [B] int32, committed slots per sequence
+
+  @staticmethod
+  def init(cfg, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+    shape = (batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[1]
+
+  def with_lengths(self, lengths: jax.Array) -> "KVCache":
+    """Roll back (or forward) to `lengths` [B]: the pure form of truncation."""
+    return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+  def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys/values of `layer` with `k_new`/`v_new` [B, T, KVH, D] written at slots length+t."""
+    b, t = k_new.shape[:2]
+    slots = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]   # [B, T]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]                              # [B, 1]
+    k = self.k[layer].at[rows, slots].set(k_new.astype(self.k[layer].dtype), mode="drop")
+    v = self.v[layer].at[rows, slots].set(v_new.astype(self.v[layer].dtype), mode="drop")
+    return k, v
+
+
+def check_capacity(lengths, n_new: int, capacity: int) -> None:
+  """Raise CacheOverflowError if any concrete length + n_new exceeds capacity (no-op when traced)."""
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  worst = int(jnp.max(lengths)) + n_new
+  if worst > capacity:
+    raise CacheOverflowError(
+        f"a sequence would reach {worst} tokens but the KV cache holds {capacity}; "
+        f"raise max_len / cache capacity or shorten the prompt / max_new_tokens")
