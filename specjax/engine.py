@@ -1,0 +1,160 @@
+"""The speculative engine: draft -> verify -> accept, for a batch of sequences, lossless.
+
+Device drafters run every round inside one jitted `lax.while_loop` (no host round trip per
+round). Host drafters (n-gram maps, suffix trees) drive a host loop around one jitted
+verify-and-accept step. Both use `verify_and_accept`, so verification is the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
+from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill
+from specjax.models.decoder import forward
+from specjax.sampling import SamplingParams, shaped_probs, split_keys
+from specjax.stats import RoundStats, SpecStats
+from specjax.verify import accept_drafts
+
+
+def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, sampling: SamplingParams,
+                      stop_ids, max_new, taps=()):
+  """Score [last, d1..dK] with the target, accept the longest acceptable prefix plus one token,
+  roll the KV cache back to the accepted length and emit. Returns (state, n_acc, next, dlen, verified, taps)."""
+  b, k = draft.tokens.shape
+  live = ~state.done
+  dlen = jnp.minimum(draft.lengths, dp["n_max"])
+  dlen = jnp.where((dlen < dp["n_min"]) | ~live, 0, dlen)                          # short drafts are not verified
+  verified = jnp.concatenate([state.last[:, None], draft.tokens], axis=1)          # [B, K+1]
+  old_len = state.cache.lengths
+  logits, tapped, cache = forward(params, cfg, verified, state.cache, taps=taps)   # [B, K+1, V]
+  p = shaped_probs(logits, sampling)
+  q = draft.q   # drafters shape q with the sequence's sampling parameters; None = one-hot
+  keys, use = split_keys(state.keys)
+  n_acc, nxt = accept_drafts(p, draft.tokens, dlen, use, q)
+  n_acc = jnp.where(live, n_acc, 0)
+  cache = cache.with_lengths(old_len + jnp.where(live, 1 + n_acc, 0))              # rollback by length
+  idx = jnp.arange(k + 1)[None, :]
+  emitted = jnp.where(idx == n_acc[:, None], nxt[:, None],
+                      jnp.concatenate([draft.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1))   # [B, K+1]
+  state = dataclasses.replace(state, cache=cache, keys=keys)
+  state, _ = emit(state, emitted, jnp.where(live, n_acc + 1, 0), stop_ids, max_new)
+  return state, n_acc, nxt, dlen, verified, tapped, live
+
+
+def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry):
+  state, dstate, stats = carry
+  ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
+                     target_len=state.cache.lengths, n_max=dp["n_max"], p_min=dp["p_min"],
+                     temperature=sampling.temperature)
+  draft, dstate = drafter.propose(dparams, dstate, ctx)
+  state, n_acc, nxt, dlen, verified, tapped, live = verify_and_accept(
+      params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps)
+  result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
+                       layer_taps=tapped["layers"], live=live)
+  dstate = drafter.commit(dparams, dstate, result)
+  return state, dstate, stats.update(dlen, n_acc, live)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "capacity", "history_len"))
+def _spec_generate(params, dparams, tokens, prompt_lens, sampling, dp, stop_ids, max_new, *,
+                   cfg, drafter, capacity, history_len):
+  state, tapped = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity,
+                          history_len, taps=drafter.taps)
+  dstate = drafter.init(dparams, tokens, prompt_lens, tapped, capacity)
+  stats = RoundStats.zeros(tokens.shape[0], drafter.max_draft)
+  body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new)
+  state, _, stats = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
+  return state, stats
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "history_len"))
+def _prefill_only(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, cfg, capacity, history_len):
+  state, _ = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity, history_len)
+  return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _host_round(params, state, stats, draft_tokens, draft_lengths, sampling, dp, stop_ids, max_new, *, cfg):
+  draft = Draft(tokens=draft_tokens, lengths=draft_lengths)
+  hl_before = state.hist_len
+  state, n_acc, _, dlen, _, _, live = verify_and_accept(params, cfg, state, draft, dp, sampling, stop_ids, max_new)
+  k1 = draft_tokens.shape[1] + 1
+  cols = hl_before[:, None] + jnp.arange(k1)[None, :]
+  new_tokens = jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
+  return state, stats.update(dlen, n_acc, live), n_acc, new_tokens, state.hist_len - hl_before, state.done
+
+
+@dataclasses.dataclass
+class SpecResult:
+  tokens: list[list[int]]
+  stats: SpecStats
+  seconds: float
+
+  @property
+  def n_generated(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.n_generated / max(self.seconds, 1e-9)
+
+
+def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_new_tokens: int = 128,
+                         sampling: SamplingParams | None = None, draft_params: DraftParams | None = None,
+                         stop_ids=(), capacity: int | None = None) -> SpecResult:
+  """Speculative generation of a ragged batch of token prompts with one drafter."""
+  tokens, lens = pad_prompts(prompts)
+  b, k = len(prompts), drafter.max_draft
+  sampling = sampling or SamplingParams.make(b)
+  dp = {n: jnp.asarray(a) for n, a in (draft_params or DraftParams(n_max=k)).arrays(b, k).items()}
+  cap = plan_capacity(lens, max_new_tokens, k + 1, capacity)
+  stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+  max_new = jnp.full((b,), max_new_tokens, jnp.int32)
+  history_len = tokens.shape[1] + max_new_tokens + k + 2
+  t0 = time.perf_counter()
+  if drafter.on_device:
+    state, stats = _spec_generate(params, drafter.params(), jnp.asarray(tokens), jnp.asarray(lens), sampling, dp,
+                                  stop, max_new, cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
+    jax.block_until_ready(state.hist_len)
+    seconds, draft_seconds = time.perf_counter() - t0, 0.0
+  else:
+    state, stats, draft_seconds = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop,
+                                             max_new, cap, history_len)
+    seconds = time.perf_counter() - t0
+  outs = outputs_of(state)
+  return SpecResult(tokens=outs, seconds=seconds,
+                    stats=SpecStats.from_rounds(drafter.name, stats, b, seconds, draft_seconds))
+
+
+def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len):
+  b, k = len(prompts), drafter.max_draft
+  state = _prefill_only(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
+                        cfg=cfg, capacity=cap, history_len=history_len)
+  stats = RoundStats.zeros(b, k)
+  first = np.asarray(state.last)
+  histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
+  done = np.asarray(state.done)
+  n_max = np.asarray(dp["n_max"])
+  drafter.begin([list(p) for p in prompts])
+  draft_seconds = 0.0
+  while not done.all():
+    t0 = time.perf_counter()
+    d_tok, d_len, _ = drafter.propose(histories, np.where(done, 0, n_max))
+    draft_seconds += time.perf_counter() - t0
+    d_tok = np.asarray(d_tok, np.int32).reshape(b, k)
+    state, stats, n_acc, new_tokens, n_new, done_dev = _host_round(
+        params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len, jnp.int32), sampling, dp, stop, max_new, cfg=cfg)
+    n_acc, new_tokens, n_new, done = (np.asarray(x) for x in (n_acc, new_tokens, n_new, done_dev))
+    t0 = time.perf_counter()
+    drafter.accept(n_acc)
+    draft_seconds += time.perf_counter() - t0
+    for i in range(b):
+      histories[i].extend(new_tokens[i, : n_new[i]].tolist())
+  return state, stats, draft_seconds

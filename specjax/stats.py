@@ -1,0 +1,98 @@
+"""Speculation statistics: per-round counters on the device, llama.cpp-style summaries on the host.
+
+llama.cpp prints, per speculator: #calls(begin, draft, accept), #gen drafts, #acc drafts,
+#gen tokens, #acc tokens and durations. We add acceptance by draft position and tau (mean tokens
+emitted per verification round, bonus included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+  rounds: jax.Array           # [B] verification rounds while live
+  gen_drafts: jax.Array       # [B] rounds with a non-empty (verified) draft
+  acc_drafts: jax.Array       # [B] rounds with at least one accepted draft token
+  gen_tokens: jax.Array       # [B] draft tokens verified
+  acc_tokens: jax.Array       # [B] draft tokens accepted
+  drafted_by_pos: jax.Array   # [K] rounds whose draft reached position i
+  accepted_by_pos: jax.Array  # [K] rounds whose draft was accepted through position i
+
+  @staticmethod
+  def zeros(batch: int, k: int) -> "RoundStats":
+    z = jnp.zeros((batch,), jnp.int32)
+    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32))
+
+  def update(self, dlen, n_acc, live) -> "RoundStats":
+    k = self.drafted_by_pos.shape[0]
+    pos = jnp.arange(k)[None, :]
+    live_i = live.astype(jnp.int32)
+    return RoundStats(
+        rounds=self.rounds + live_i,
+        gen_drafts=self.gen_drafts + (live & (dlen > 0)).astype(jnp.int32),
+        acc_drafts=self.acc_drafts + (live & (n_acc > 0)).astype(jnp.int32),
+        gen_tokens=self.gen_tokens + dlen * live_i,
+        acc_tokens=self.acc_tokens + n_acc * live_i,
+        drafted_by_pos=self.drafted_by_pos + jnp.sum((pos < dlen[:, None]) & live[:, None], axis=0),
+        accepted_by_pos=self.accepted_by_pos + jnp.sum((pos < n_acc[:, None]) & live[:, None], axis=0))
+
+
+@dataclasses.dataclass
+class SpecStats:
+  """Host summary of one speculative run (one speculator)."""
+  name: str
+  n_seq: int
+  rounds: int
+  gen_drafts: int
+  acc_drafts: int
+  gen_tokens: int
+  acc_tokens: int
+  drafted_by_pos: list[int]
+  accepted_by_pos: list[int]
+  seconds: float
+  draft_seconds: float = 0.0          # host drafters: time spent proposing/accepting on the host
+  per_seq_rounds: list[int] = dataclasses.field(default_factory=list)
+  per_seq_acc_tokens: list[int] = dataclasses.field(default_factory=list)
+
+  @staticmethod
+  def from_rounds(name: str, rs: RoundStats, n_seq: int, seconds: float, draft_seconds: float = 0.0) -> "SpecStats":
+    h = jax.tree_util.tree_map(np.asarray, rs)
+    return SpecStats(name=name, n_seq=n_seq, rounds=int(h.rounds.sum()), gen_drafts=int(h.gen_drafts.sum()),
+                     acc_drafts=int(h.acc_drafts.sum()), gen_tokens=int(h.gen_tokens.sum()),
+                     acc_tokens=int(h.acc_tokens.sum()), drafted_by_pos=h.drafted_by_pos.tolist(),
+                     accepted_by_pos=h.accepted_by_pos.tolist(), seconds=seconds, draft_seconds=draft_seconds,
+                     per_seq_rounds=h.rounds.tolist(), per_seq_acc_tokens=h.acc_tokens.tolist())
+
+  @property
+  def tau(self) -> float:
+    """Mean tokens emitted per verification round (accepted drafts + the bonus token)."""
+    return (self.acc_tokens + self.rounds) / max(self.rounds, 1)
+
+  @property
+  def acceptance_rate(self) -> float:
+    return self.acc_tokens / max(self.gen_tokens, 1)
+
+  @property
+  def acceptance_by_pos(self) -> list[float]:
+    """P(position i accepted | the draft reached position i)."""
+    return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, acceptance_by_pos=self.acceptance_by_pos)
+    return d
+
+  def format(self) -> str:
+    by_pos = " ".join(f"{a:.2f}" for a in self.acceptance_by_pos)
+    return (f"statistics {self.name}: #calls(b,g,a) = {self.n_seq} {self.rounds} {self.rounds}, "
+            f"#gen drafts = {self.gen_drafts}, #acc drafts = {self.acc_drafts}, "
+            f"#gen tokens = {self.gen_tokens}, #acc tokens = {self.acc_tokens}, "
+            f"dur(total, host draft) = {self.seconds * 1e3:.1f}, {self.draft_seconds * 1e3:.1f} ms\n"
+            f"  tau = {self.tau:.3f}, acceptance = {self.acceptance_rate:.3f}, by position: {by_pos}")
