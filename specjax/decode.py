@@ -55,7 +55,7 @@ def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int
   tokens, lens = pad_prompts(prompts)
   b = len(prompts)
   sampling = sampling or SamplingParams.make(b)
-  cap = plan_capacity(lens, max_new_tokens, 0, capacity)
+  cap = plan_capacity(tokens.shape[1], max_new_tokens, 0, capacity)
   max_new_arr = jnp.asarray(np.broadcast_to(max_new if max_new is not None else max_new_tokens, (b,)), jnp.int32)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   history_len = tokens.shape[1] + max_new_tokens + 1

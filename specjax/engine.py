@@ -114,7 +114,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   b, k = len(prompts), drafter.max_draft
   sampling = sampling or SamplingParams.make(b)
   dp = {n: jnp.asarray(a) for n, a in (draft_params or DraftParams(n_max=k)).arrays(b, k).items()}
-  cap = plan_capacity(lens, max_new_tokens, k + 1, capacity)
+  cap = plan_capacity(tokens.shape[1], max_new_tokens, k + 1, capacity)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   max_new = jnp.full((b,), max_new_tokens, jnp.int32)
   history_len = tokens.shape[1] + max_new_tokens + k + 2

@@ -35,11 +35,14 @@ class GenState:
     return self.hist_len - self.prompt_len
 
 
-def pad_prompts(prompts: list[list[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pad ragged prompts -> (tokens [B, T], lengths [B])."""
+PROMPT_BUCKET = 64   # prompt widths are padded to a multiple of this, so new lengths rarely recompile
+
+
+def pad_prompts(prompts: list[list[int]], pad: int = 0, bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad ragged prompts -> (tokens [B, T], lengths [B]); T is rounded up to `bucket`."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
-  t = max(len(p) for p in prompts)
+  t = round_up(max(len(p) for p in prompts), bucket)
   tokens = np.full((len(prompts), t), pad, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, : len(p)] = p
@@ -50,14 +53,15 @@ def round_up(n: int, m: int = 128) -> int:
   return -(-n // m) * m
 
 
-def plan_capacity(prompt_lens: np.ndarray, max_new: int, lookahead: int = 0, capacity: int | None = None) -> int:
-  """Cache slots needed: longest prompt + max_new + draft lookahead; a clear error if `capacity` is short."""
-  need = int(prompt_lens.max()) + max_new + lookahead + 1
+def plan_capacity(width: int, max_new: int, lookahead: int = 0, capacity: int | None = None) -> int:
+  """Cache slots for padded prompt width + max_new + draft lookahead (a function of shapes only, so
+  it adds no recompilation); a clear error if a given `capacity` is short."""
+  need = width + max_new + lookahead + 1
   if capacity is None:
     return round_up(need)
   if need > capacity:
-    raise CacheOverflowError(f"prompt of {int(prompt_lens.max())} tokens + {max_new} new tokens "
-                             f"+ {lookahead} draft lookahead needs {need} cache slots, capacity is {capacity}")
+    raise CacheOverflowError(f"prompts padded to {width} tokens + {max_new} new tokens + {lookahead} draft "
+                             f"lookahead need {need} cache slots, capacity is {capacity}")
   return capacity
 
 

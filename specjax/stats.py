@@ -60,6 +60,7 @@ class SpecStats:
   draft_seconds: float = 0.0          # host drafters: time spent proposing/accepting on the host
   per_seq_rounds: list[int] = dataclasses.field(default_factory=list)
   per_seq_acc_tokens: list[int] = dataclasses.field(default_factory=list)
+  per_seq_gen_tokens: list[int] = dataclasses.field(default_factory=list)
 
   @staticmethod
   def from_rounds(name: str, rs: RoundStats, n_seq: int, seconds: float, draft_seconds: float = 0.0) -> "SpecStats":
@@ -68,7 +69,8 @@ class SpecStats:
                      acc_drafts=int(h.acc_drafts.sum()), gen_tokens=int(h.gen_tokens.sum()),
                      acc_tokens=int(h.acc_tokens.sum()), drafted_by_pos=h.drafted_by_pos.tolist(),
                      accepted_by_pos=h.accepted_by_pos.tolist(), seconds=seconds, draft_seconds=draft_seconds,
-                     per_seq_rounds=h.rounds.tolist(), per_seq_acc_tokens=h.acc_tokens.tolist())
+                     per_seq_rounds=h.rounds.tolist(), per_seq_acc_tokens=h.acc_tokens.tolist(),
+                     per_seq_gen_tokens=h.gen_tokens.tolist())
 
   @property
   def tau(self) -> float:

@@ -1,0 +1,26 @@
+# specjax: the two entry points of the README.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain it.
+
+.PHONY: setup setup-test demo test
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+setup-test: $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+
+# Speculative generation on the default real model (SmolLM2-135M-Instruct), tokens/s and acceptance.
+demo: setup
+	$(BIN)/specjax fetch smollm2-135m-instruct
+	$(BIN)/specjax generate --chat --warmup --spec ngram_simple,suffix --max-new-tokens 256 "$(PROMPT)"
+
+test: setup-test
+	$(BIN)/specjax fetch smollm2-135m-instruct
+	$(BIN)/python -m pytest -q -x --durations=15 tests

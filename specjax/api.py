@@ -1,0 +1,84 @@
+"""The Python API a notebook calls:
+
+    from specjax import api
+    target = api.load("smollm2-135m-instruct")
+    out = api.generate(target, ["Write a haiku about JAX."], speculator="ngram_simple",
+                       sampling={"temperature": 0.0}, max_new_tokens=128)
+    print(out.texts[0], out.stats.format())
+
+`speculator` is None (plain decoding), a name or comma-separated chain of names
+(`draft`, `ngram_simple`, ..., `suffix`), or a drafter object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+from specjax.decode import generate_plain
+from specjax.drafters.base import DraftParams
+from specjax.drafters.registry import make_speculator
+from specjax.engine import speculative_generate
+from specjax.models.load import LoadedModel, load_model
+from specjax.sampling import SamplingParams
+from specjax.stats import SpecStats
+
+
+def load(name_or_path: str, dtype: str = "float32") -> LoadedModel:
+  """Load a model by fetch name (downloaded on first use), GGUF path or HF directory."""
+  return load_model(name_or_path, dtype=jnp.dtype(dtype))
+
+
+@dataclasses.dataclass
+class Output:
+  tokens: list[list[int]]            # generated tokens per prompt
+  texts: list[str] | None            # decoded text (when the target has a tokenizer)
+  stats: SpecStats | None            # None for plain decoding
+  seconds: float
+
+  @property
+  def tokens_per_s(self) -> float:
+    return sum(len(t) for t in self.tokens) / max(self.seconds, 1e-9)
+
+
+def encode_prompts(target: LoadedModel, prompts: Sequence[str | list[int]], chat: bool) -> list[list[int]]:
+  out = []
+  for p in prompts:
+    if isinstance(p, str):
+      if target.tokenizer is None:
+        raise ValueError("text prompts need a tokenizer; this model has none (pass token lists)")
+      out.append(target.tokenizer.encode_chat([{"role": "user", "content": p}]) if chat
+                 else target.tokenizer.encode(p))
+    else:
+      out.append(list(p))
+  return out
+
+
+def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, speculator: Any = None,
+             sampling: SamplingParams | dict | None = None, draft_params: DraftParams | dict | None = None,
+             max_new_tokens: int = 128, chat: bool = True, stop_at_eos: bool = True,
+             draft_model: LoadedModel | str | None = None, capacity: int | None = None) -> Output:
+  """Generate for a batch of prompts (text or token lists), with or without speculation."""
+  tokens = encode_prompts(target, prompts, chat)
+  b = len(tokens)
+  if isinstance(sampling, dict) or sampling is None:
+    sampling = SamplingParams.make(b, **(sampling or {}))
+  stop_ids = tuple(target.tokenizer.eos_ids) if (stop_at_eos and target.tokenizer is not None) else ()
+  if speculator is None:
+    r = generate_plain(target.params, target.cfg, tokens, max_new_tokens=max_new_tokens, sampling=sampling,
+                       stop_ids=stop_ids, capacity=capacity)
+    stats, seconds, out_tokens = None, r.seconds, r.tokens
+  else:
+    if isinstance(draft_params, dict):
+      draft_params = DraftParams(**draft_params)
+    drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params)
+    draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
+    r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
+                             sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity)
+    stats, seconds, out_tokens = r.stats, r.seconds, r.tokens
+  texts = None
+  if target.tokenizer is not None:
+    texts = [target.tokenizer.decode(t) for t in out_tokens]
+  return Output(tokens=out_tokens, texts=texts, stats=stats, seconds=seconds)

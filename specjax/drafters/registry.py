@@ -1,0 +1,62 @@
+"""Speculators by name, as llama.cpp's `--spec-type` names them; a comma-separated list is a chain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+HOST_SPECULATORS = {
+    "ngram_simple": ("specjax.drafters.ngram", "NgramSimple"),
+    "ngram_map_k": ("specjax.drafters.ngram", "NgramMapK"),
+    "ngram_map_k4v": ("specjax.drafters.ngram", "NgramMapK4V"),
+    "ngram_mod": ("specjax.drafters.ngram", "NgramMod"),
+    "ngram_cache": ("specjax.drafters.ngram", "NgramCache"),
+    "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
+}
+MODEL_SPECULATORS = ("draft",)
+ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
+
+
+def _host(name: str, options: dict[str, Any]):
+  import importlib
+  module, cls = HOST_SPECULATORS[name]
+  return getattr(importlib.import_module(module), cls)(**options)
+
+
+def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, options: dict | None = None,
+                    policy: str = "best"):
+  """A drafter from a name ("ngram_simple"), a chain ("ngram_simple,suffix") or a drafter object."""
+  if not isinstance(spec, str):
+    return spec
+  names = [s.strip() for s in spec.split(",") if s.strip()]
+  unknown = [n for n in names if n not in ALL]
+  if unknown:
+    raise ValueError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
+  options = options or {}
+  if len(names) > 1:
+    if "draft" in names:
+      raise ValueError("chains of the model drafter with host speculators are not supported yet; "
+                       "chain host speculators (ngram_*, suffix)")
+    from specjax.drafters.chain import Chain
+    return Chain([_host(n, options.get(n, {})) for n in names], policy=policy)
+  name = names[0]
+  if name == "draft":
+    return make_draft_model_drafter(target, draft_model, draft_params)
+  return _host(name, options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {}))
+
+
+def make_draft_model_drafter(target, draft_model, draft_params=None):
+  from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
+  from specjax.models.load import LoadedModel, load_model
+  if draft_model is None:
+    raise ValueError("speculator 'draft' needs a draft model (--draft-model NAME|PATH)")
+  if not isinstance(draft_model, LoadedModel):
+    import jax
+    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
+    draft_model = load_model(draft_model, dtype=dtype)
+  if target.tokenizer is not None and draft_model.tokenizer is not None:
+    check_compatible(target.tokenizer, draft_model.tokenizer)
+  n_max = 8
+  if draft_params is not None:
+    import numpy as np
+    n_max = int(np.max(np.asarray(draft_params.n_max)))
+  return DraftModelDrafter(cfg=draft_model.cfg, max_draft=max(n_max, 1), weights=draft_model.params)
