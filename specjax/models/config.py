@@ -73,14 +73,13 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     model_type = "gemma3_text"
   d_model = hf["hidden_size"]
   n_heads = hf["num_attention_heads"]
+  theta, local_theta = _rope_thetas(hf)
   common = dict(
       vocab_size=hf["vocab_size"], d_model=d_model, n_layers=hf["num_hidden_layers"],
       n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", n_heads),
       head_dim=hf.get("head_dim") or d_model // n_heads, ffn_dim=hf["intermediate_size"],
-      rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       bos_id=hf.get("bos_token_id"), eos_id=_first(hf.get("eos_token_id")))
-  if hf.get("rope_scaling"):
-    raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not supported yet")
   if model_type == "llama":
     return ModelConfig(arch="llama", qkv_bias=bool(hf.get("attention_bias", False)),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
@@ -92,10 +91,24 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         arch="gemma3", tie_embeddings=True, qk_norm=True, sandwich_norm=True, embed_scale=True,
         norm_offset=True, activation="gelu_tanh",
-        rope_local_theta=float(hf.get("rope_local_base_freq", 10000.0)),
+        rope_local_theta=local_theta,
         sliding_window=hf.get("sliding_window"), layer_types=_gemma3_layer_types(hf, n_layers),
         query_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5, **common)
   raise ValueError(f"unsupported model_type {model_type!r}; specjax runs llama, qwen2, gemma3")
+
+
+def _rope_thetas(hf: dict[str, Any]) -> tuple[float, float]:
+  """(global, local) rotary bases from either config style: transformers 4 (`rope_theta`,
+  `rope_local_base_freq`, `rope_scaling`) or transformers 5 (`rope_parameters`, per layer type)."""
+  params = hf.get("rope_parameters") or {}
+  per_type = params if "full_attention" in params else {"full_attention": params or hf.get("rope_scaling") or {}}
+  for kind in per_type.values():
+    rope_type = (kind or {}).get("rope_type", (kind or {}).get("type", "default"))
+    if rope_type not in ("default", None):
+      raise NotImplementedError(f"rope type {rope_type!r} is not supported yet")
+  theta = float(per_type["full_attention"].get("rope_theta", hf.get("rope_theta", 10000.0)))
+  local = float(per_type.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+  return theta, local
 
 
 def _first(x):
