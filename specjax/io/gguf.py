@@ -100,11 +100,12 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
   return f"model.layers.{layer}.{hf}.{leaf}"
 
 
-def load_gguf(path: str | Path, progress: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """(HF-style config dict, {HF tensor name: float32 array [out, in]}) of a GGUF file."""
+def load_gguf(path: str | Path, progress: bool = True, reader=None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(HF-style config dict, {HF tensor name: float32 array [out, in]}) of a GGUF file
+  (pass an open `gguf.GGUFReader` to avoid parsing the file twice)."""
   from gguf import GGUFReader
   from gguf.quants import dequantize
-  reader = GGUFReader(str(path))
+  reader = reader if reader is not None else GGUFReader(str(path))
   meta = {k: field_value(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.t")
           and not k.startswith("tokenizer.ggml.merges") and not k.startswith("tokenizer.ggml.scores")}
   arch = meta["general.architecture"]

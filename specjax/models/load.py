@@ -42,11 +42,13 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
     from specjax.io.safetensors import load_safetensors_dir
     hf, tensors = load_safetensors_dir(path)
   elif path.suffix == ".gguf":
+    from gguf import GGUFReader
     from specjax.io.gguf import load_gguf
-    hf, tensors = load_gguf(path, progress=progress)
+    reader = GGUFReader(str(path))
+    hf, tensors = load_gguf(path, progress=progress, reader=reader)
     if with_tokenizer:
       from specjax.io.tokenizer import Tokenizer
-      tokenizer = Tokenizer.from_gguf(path)
+      tokenizer = Tokenizer.from_gguf(reader)
   else:
     raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
   cfg = from_hf_config(hf)

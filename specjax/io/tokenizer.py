@@ -1,0 +1,582 @@
+"""Tokenizer built purely from a GGUF file's metadata.
+
+A GGUF carries no `tokenizer.json`; llama.cpp stores the vocabulary under `tokenizer.ggml.*` keys
+(token texts, token types, BPE merges or SentencePiece scores, special ids, BOS/EOS flags, the
+pre-tokenizer name) plus the Jinja chat template under `tokenizer.chat_template`. This module reads
+those keys with `gguf.GGUFReader` and rebuilds an equivalent HF `tokenizers` (Rust) pipeline:
+
+* `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the file's merges. The text is first split
+  the way llama.cpp's `llm_tokenizer_bpe` splits it for `tokenizer.ggml.pre` (a sequence of regexes,
+  each one splitting every piece so far, matches and gaps both kept), then byte-level mapped and
+  merged. `smollm` splits every digit on its own before the GPT-2 regex; `qwen2` uses Qwen2's regex.
+* `tokenizer.ggml.model == "llama"`: SentencePiece-style BPE with byte fallback, as transformers'
+  GGUF converter builds it: spaces become "\u2581" (no prefix space unless
+  `tokenizer.ggml.add_space_prefix` says so, which Gemma does not), merges recovered from the
+  vocabulary and ranked by the merged token's score (by its position in the file for Gemma, whose
+  scores follow that order).
+
+In both, control tokens (token type 3) are matched whole in the text as special added tokens and
+user-defined ones (type 4) as plain added tokens, like llama.cpp's special-token partition.
+
+Chat templates are not run through Jinja. The stored template is inspected and one of two built-in
+renderers is picked: ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`; SmolLM2, Qwen2.5) with the
+default system message the template inserts when the conversation has none, or Gemma
+(`<start_of_turn>user\\n...<end_of_turn>\\n`, `assistant` -> `model`, a system message folded into
+the first user turn). A file without a template (e.g. the Gemma-3 270M GGUF) gets the renderer its
+vocabulary implies.
+
+`eos_ids` follows llama.cpp's end-of-generation set: EOS, EOT/EOM, the FIM pad/repo/sep tokens and
+the tokens whose text marks an end of turn (`<|im_end|>`, `<end_of_turn>`, `<|endoftext|>`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _RustTokenizer
+
+__all__ = ["Tokenizer", "TokenizerError", "TokenType", "ChatTemplate", "read_tokenizer_metadata"]
+
+
+class TokenizerError(ValueError):
+  """The GGUF metadata describes no tokenizer this module can build, or a chat cannot be rendered."""
+
+
+class TokenType(enum.IntEnum):
+  """`tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`)."""
+  UNDEFINED = 0
+  NORMAL = 1
+  UNKNOWN = 2
+  CONTROL = 3
+  USER_DEFINED = 4
+  UNUSED = 5
+  BYTE = 6
+
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+# --- pre-tokenizer regexes, by `tokenizer.ggml.pre` (behaviour of llama.cpp's llm_tokenizer_bpe) ---
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {}
+for _names, _exprs in (
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), (r"\p{N}", _GPT2)),
+    (("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "jina-es", "jina-de", "jina-v1-en",
+      "jina-v2-es", "jina-v2-de", "jina-v2-code", "roberta-bpe", "gigachat", "mellum", "trillion"), (_GPT2,)),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan"), (_QWEN2,)),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx",
+      "smaug-bpe"), (_LLAMA3,)),
+    (("tekken",), (_TEKKEN,)),
+    (("default",), _DEFAULT),
+):
+  for _name in _names:
+    _PRE_SPLITS[_name] = _exprs
+del _names, _exprs, _name
+# Pre-tokenizers whose BPE looks a whole pre-token up in the vocabulary before merging.
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                            "midm-2.0", "lfm2", "tekken"})
+# Pre-tokenizers for which llama.cpp turns add_bos on unless the file says otherwise.
+_DEFAULT_ADD_BOS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                              "midm-2.0", "lfm2", "tekken", "chameleon"})
+
+# --- end-of-generation tokens, by text (llama.cpp's llama_vocab::impl::load) ---
+
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+              "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>")
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+              "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
+_FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP_TEXTS = ("<|file_sep|>",)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+               + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+  table, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      table[b] = chr(b)
+    else:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
+
+# --- reading the metadata -------------------------------------------------------------------------
+
+
+def _field_value(field) -> Any:
+  """One `gguf.ReaderField` as Python: str, bool/int/float, list[str], or a 1-D numpy array."""
+  from gguf import GGUFValueType
+  types = field.types
+  if not types:
+    return None
+  if types[0] == GGUFValueType.ARRAY:
+    if len(types) > 1 and types[1] == GGUFValueType.STRING:
+      return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+    if not field.data:
+      return np.zeros((0,), np.float32)
+    return np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data])  # [n]
+  if types[0] == GGUFValueType.STRING:
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+  return field.parts[field.data[0]][0].item()
+
+
+def read_tokenizer_metadata(source) -> dict[str, Any]:
+  """`general.architecture` and every `tokenizer.*` key of a GGUF (path or open `GGUFReader`)."""
+  if isinstance(source, (str, os.PathLike)):
+    from gguf import GGUFReader
+    reader = GGUFReader(os.fspath(source), "r")
+  else:
+    reader = source
+  out: dict[str, Any] = {}
+  for key, field in reader.fields.items():
+    if key.startswith("tokenizer.") or key == "general.architecture":
+      out[key] = _field_value(field)
+  return out
+
+
+# --- chat templates -------------------------------------------------------------------------------
+
+_JINJA_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+def _unescape_jinja(text: str) -> str:
+  return re.sub(r"\\(.)", lambda m: _JINJA_ESCAPES.get(m.group(1), "\\" + m.group(1)), text, flags=re.S)
+
+
+# `<|im_start|>system\n<literal text><|im_end|>` inside one string literal of the template: the
+# default system message inserted when the conversation does not start with one.
+_DEFAULT_SYSTEM_RE = re.compile(
+    r"<\|im_start\|>system(?:\\n|\n)((?:[^'\"{}\\]|\\.)*?)<\|im_end\|>", re.S)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+  """A built-in renderer standing in for the file's Jinja chat template.
+
+  kind: "chatml" or "gemma". default_system: the system message ChatML inserts when the first
+  message is not a system one (None: insert nothing). prefix: text put before the conversation (the
+  BOS text for Gemma's `{{ bos_token }}`). qwen_tools: render `tool` messages as Qwen2.5 does.
+  """
+  kind: str
+  default_system: str | None = None
+  prefix: str = ""
+  qwen_tools: bool = False
+
+  @classmethod
+  def detect(cls, source: str | None, vocab: Mapping[str, int], bos_text: str | None) -> "ChatTemplate":
+    """Pick the renderer that matches the stored template `source` (or, when absent, the vocabulary)."""
+    if source:
+      if "<start_of_turn>" in source:
+        prefix = bos_text if (bos_text and "bos_token" in source) else ""
+        return cls("gemma", prefix=prefix)
+      if "<|im_start|>" in source:
+        m = _DEFAULT_SYSTEM_RE.search(source)
+        default = _unescape_jinja(m.group(1)) if m else None
+        return cls("chatml", default_system=default, qwen_tools="<tool_response>" in source)
+      raise TokenizerError("unsupported chat template (neither ChatML nor Gemma); it begins with "
+                           f"{source[:120]!r}")
+    if "<start_of_turn>" in vocab:
+      return cls("gemma", prefix=bos_text or "")
+    if "<|im_start|>" in vocab:
+      return cls("chatml")
+    raise TokenizerError("the GGUF has no tokenizer.chat_template and its vocabulary has neither "
+                         "ChatML nor Gemma turn markers")
+
+  def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    msgs = [(str(m["role"]), _content_text(m)) for m in messages]
+    if self.kind == "gemma":
+      return self._render_gemma(msgs, add_generation_prompt)
+    return self._render_chatml(msgs, add_generation_prompt)
+
+  def _render_chatml(self, msgs: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+    parts = []
+    if self.default_system is not None and (not msgs or msgs[0][0] != "system"):
+      parts.append(f"<|im_start|>system\n{self.default_system}<|im_end|>\n")
+    for i, (role, content) in enumerate(msgs):
+      if role == "tool" and self.qwen_tools:
+        # Consecutive tool results share one user turn, each wrapped in <tool_response>.
+        if i == 0 or msgs[i - 1][0] != "tool":
+          parts.append("<|im_start|>user")
+        parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
+        if i == len(msgs) - 1 or msgs[i + 1][0] != "tool":
+          parts.append("<|im_end|>\n")
+        continue
+      parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+      parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+  def _render_gemma(self, msgs: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+    first_prefix = ""
+    if msgs and msgs[0][0] == "system":
+      first_prefix = msgs[0][1] + "\n\n"
+      msgs = msgs[1:]
+    parts = [self.prefix]
+    for i, (role, content) in enumerate(msgs):
+      if (role == "user") != (i % 2 == 0):
+        raise TokenizerError("Conversation roles must alternate user/assistant/user/assistant/...")
+      role = "model" if role == "assistant" else role
+      parts.append(f"<start_of_turn>{role}\n{first_prefix if i == 0 else ''}{content.strip()}<end_of_turn>\n")
+    if add_generation_prompt:
+      parts.append("<start_of_turn>model\n")
+    return "".join(parts)
+
+
+def _content_text(message: Mapping[str, Any]) -> str:
+  content = message.get("content")
+  if content is None:
+    return ""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, Sequence):  # OpenAI-style list of parts: keep the text ones
+    return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+  raise TokenizerError(f"message content must be a string, got {type(content).__name__}")
+
+
+# --- building the Rust tokenizer ------------------------------------------------------------------
+
+
+def _special_tokens(tokens: Sequence[str], types: np.ndarray, keep) -> tuple[list[AddedToken], list[AddedToken]]:
+  """(control tokens as special AddedTokens, user-defined tokens as plain AddedTokens)."""
+  control = [AddedToken(t, normalized=False, special=True)
+             for t, ty in zip(tokens, types) if ty == TokenType.CONTROL and keep(t)]
+  user = [AddedToken(t, normalized=False, special=False)
+          for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED and keep(t)]
+  return control, user
+
+
+def _build_bpe(tokens: list[str], types: np.ndarray, merges: Sequence[str], pre: str) -> _RustTokenizer:
+  """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`)."""
+  # Every real token is spelled in the byte alphabet; a control/user-defined token that is not
+  # (e.g. full-width DeepSeek markers) keeps its text: it is matched whole and never merged into.
+  vocab: dict[str, int] = {}
+  for i, tok in enumerate(tokens):
+    if not set(tok) <= _BYTE_ALPHABET and types[i] not in (TokenType.CONTROL, TokenType.USER_DEFINED):
+      tok = "".join(_BYTE_CHARS[b] for b in tok.encode("utf-8"))
+    vocab[tok] = i
+  pairs = []
+  for m in merges:
+    cut = m.find(" ", 1)  # the first space that is not the very first character
+    if cut < 0:
+      raise TokenizerError(f"malformed BPE merge {m!r}")
+    pairs.append((m[:cut], m[cut + 1:]))
+  exprs = _PRE_SPLITS.get(pre)
+  if exprs is None:
+    warnings.warn(f"unknown tokenizer.ggml.pre {pre!r}; using llama.cpp's 'default' pre-tokenizer",
+                  stacklevel=3)
+    exprs = _DEFAULT
+  model = models.BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, fuse_unk=False,
+                     byte_fallback=False, ignore_merges=pre in _IGNORE_MERGES)
+  tok = _RustTokenizer(model)
+  tok.normalizer = None
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [pre_tokenizers.Split(Regex(e), behavior="isolated") for e in exprs]
+      + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = decoders.ByteLevel()
+  control, user = _special_tokens(tokens, types, lambda t: t in vocab)
+  tok.add_special_tokens(control)
+  tok.add_tokens(user)
+  return tok
+
+
+def _spm_merges(vocab: Mapping[str, int], ranks: Mapping[str, float]) -> list[tuple[str, str]]:
+  """BPE merges implied by a SentencePiece vocabulary.
+
+  Every split of a token into two vocabulary pieces is a merge; merges are ordered by the merged
+  token's rank (higher first), then by longer left piece, then longer right piece, then by the
+  pieces' ids. This is the order transformers' GGUF converter produces.
+  """
+  entries: list[tuple[float, str, str]] = []
+  for tok, rank in ranks.items():
+    local = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
+    if len(local) > 1:
+      local.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+    entries.extend((rank, a, b) for a, b in local)
+  entries.sort(key=lambda e: (e[0], len(e[1]), len(e[2])), reverse=True)  # stable
+  return [(a, b) for _, a, b in entries]
+
+
+def _build_spm(tokens: list[str], types: np.ndarray, scores: np.ndarray | None, arch: str,
+               unk_text: str | None, add_space_prefix: bool) -> _RustTokenizer:
+  """SentencePiece BPE with byte fallback (`tokenizer.ggml.model == "llama"`)."""
+  gemma = arch.startswith("gemma")
+  original = tokens
+  if gemma:
+    # Gemma files store runs of spaces as real spaces while the text side sees "\u2581"s.
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+  vocab = {t: i for i, t in enumerate(tokens)}
+  if gemma or scores is None:
+    # Gemma's merge order is the order of the file, which its scores do not all follow.
+    ranks: dict[str, float] = {t: -i for i, t in enumerate(tokens)}
+  else:
+    ranks = dict(zip(tokens, scores.astype(np.float64).tolist()))
+  model = models.BPE(vocab=vocab, merges=_spm_merges(vocab, ranks), dropout=None,
+                     unk_token=unk_text if unk_text in vocab else None, fuse_unk=True, byte_fallback=True)
+  tok = _RustTokenizer(model)
+  steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  if add_space_prefix:
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    steps.append(decoders.Strip(content=" ", left=1, right=0))
+  else:
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = None
+  tok.decoder = decoders.Sequence(steps)
+  # The stored texts are looked up, not the respelled ones: Gemma's "  " user-defined tokens are
+  # reached through the "\u2581\u2581" merges instead of being matched in the raw text.
+  control, user = _special_tokens(original, types, lambda t: t in vocab)
+  tok.add_special_tokens(control)
+  tok.add_tokens(user)
+  return tok
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+
+class Tokenizer:
+  """Encode/decode and chat rendering for a model, built from its GGUF metadata alone."""
+
+  def __init__(self, meta: Mapping[str, Any]):
+    model_type = meta.get("tokenizer.ggml.model")
+    if model_type not in SUPPORTED_MODELS:
+      raise TokenizerError(f"unknown tokenizer model tokenizer.ggml.model={model_type!r}; "
+                           f"supported: {', '.join(SUPPORTED_MODELS)}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+      raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+    self._tokens: list[str] = list(tokens)
+    n = len(self._tokens)
+    types = meta.get("tokenizer.ggml.token_type")
+    self._types = (np.full((n,), TokenType.NORMAL, np.int32) if types is None
+                   else np.asarray(types, np.int32).reshape(-1))  # [vocab]
+    if self._types.shape[0] != n:
+      raise TokenizerError(f"token_type has {self._types.shape[0]} entries for {n} tokens")
+    self._model_type: str = model_type
+    self._pre: str | None = meta.get("tokenizer.ggml.pre")
+    self._arch: str = str(meta.get("general.architecture", ""))
+
+    def _id(key: str, default: int | None) -> int | None:
+      v = meta.get(f"tokenizer.ggml.{key}")
+      v = default if v is None else int(v)
+      return v if v is not None and 0 <= v < n else None
+
+    spm = model_type == "llama"
+    self._bos_id = _id("bos_token_id", 1 if spm else None)
+    self._eos_id = _id("eos_token_id", 2 if spm else None)
+    self._unk_id = _id("unknown_token_id", 0 if spm else None)
+    self._pad_id = _id("padding_token_id", None)
+    pre = self._pre or "default"
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    self._add_bos = bool(add_bos) if add_bos is not None else (spm or pre in _DEFAULT_ADD_BOS)
+    self._add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix")
+    self._add_space_prefix = bool(add_space_prefix) if add_space_prefix is not None else spm
+
+    if spm:
+      scores = meta.get("tokenizer.ggml.scores")
+      scores = None if scores is None else np.asarray(scores, np.float32).reshape(-1)  # [vocab]
+      unk_text = self._tokens[self._unk_id] if self._unk_id is not None else None
+      self._tok = _build_spm(self._tokens, self._types, scores, self._arch, unk_text, self._add_space_prefix)
+    else:
+      merges = meta.get("tokenizer.ggml.merges")
+      if merges is None:
+        raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
+      self._tok = _build_bpe(self._tokens, self._types, merges, pre)
+    self._vocab_size = n
+
+    self._text_to_id: dict[str, int] = {}
+    for i, t in enumerate(self._tokens):
+      self._text_to_id.setdefault(t, i)
+    self._eos_ids = self._end_of_generation_ids(meta)
+    self._chat_source: str | None = meta.get("tokenizer.chat_template")
+    self._chat: ChatTemplate | None = None
+
+  # -- construction --
+
+  @classmethod
+  def from_gguf(cls, path) -> "Tokenizer":
+    """Build from a GGUF file path (or an already open `gguf.GGUFReader`)."""
+    return cls(read_tokenizer_metadata(path))
+
+  @classmethod
+  def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+    """Build from a mapping of GGUF keys (`tokenizer.ggml.*`, `general.architecture`) to values."""
+    return cls(meta)
+
+  def _end_of_generation_ids(self, meta: Mapping[str, Any]) -> tuple[int, ...]:
+    n = len(self._tokens)
+
+    def by_key_or_text(key: str, texts: Sequence[str]) -> int | None:
+      v = meta.get(f"tokenizer.ggml.{key}")
+      if v is not None and 0 <= int(v) < n:
+        return int(v)
+      for t in texts:
+        if t in self._text_to_id:
+          return self._text_to_id[t]
+      return None
+
+    eog = {by_key_or_text("fim_pad_token_id", _FIM_PAD_TEXTS), by_key_or_text("fim_rep_token_id", _FIM_REP_TEXTS),
+           by_key_or_text("fim_sep_token_id", _FIM_SEP_TEXTS), by_key_or_text("eot_token_id", _EOT_TEXTS),
+           by_key_or_text("eom_token_id", ("<|eom_id|>",))}
+    eog.update(self._text_to_id[t] for t in _EOG_TEXTS if t in self._text_to_id)
+    eog.discard(None)
+    if {"<|return|>", "<|call|>", "<|end|>"} <= self._text_to_id.keys():
+      eog.discard(self._text_to_id["<|end|>"])  # harmony: <|end|> closes a message, not the generation
+    eog.discard(self._eos_id)
+    head = (self._eos_id,) if self._eos_id is not None else ()
+    return head + tuple(sorted(eog))
+
+  # -- properties --
+
+  @property
+  def vocab_size(self) -> int:
+    return self._vocab_size
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._bos_id
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._eos_id
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """End-of-generation ids: EOS first, then EOT/EOM/FIM-sep style stop tokens, ascending."""
+    return self._eos_ids
+
+  @property
+  def unk_id(self) -> int | None:
+    return self._unk_id
+
+  @property
+  def pad_id(self) -> int | None:
+    return self._pad_id
+
+  @property
+  def add_bos(self) -> bool:
+    return self._add_bos
+
+  @property
+  def add_eos(self) -> bool:
+    return self._add_eos
+
+  @property
+  def model_type(self) -> str:
+    """`tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece)."""
+    return self._model_type
+
+  @property
+  def pre(self) -> str | None:
+    """`tokenizer.ggml.pre` as stored (None when absent)."""
+    return self._pre
+
+  @property
+  def architecture(self) -> str:
+    return self._arch
+
+  @property
+  def chat_template_source(self) -> str | None:
+    """The Jinja template stored in the file (None when absent); it is inspected, never run."""
+    return self._chat_source
+
+  @property
+  def backend(self) -> _RustTokenizer:
+    """The underlying `tokenizers.Tokenizer`."""
+    return self._tok
+
+  def token_text(self, token_id: int) -> str:
+    """The token's text exactly as stored in `tokenizer.ggml.tokens`."""
+    return self._tokens[token_id]
+
+  def token_type(self, token_id: int) -> int:
+    """The token's `tokenizer.ggml.token_type` (see `TokenType`)."""
+    return int(self._types[token_id])
+
+  def token_to_id(self, text: str) -> int | None:
+    """Id of the token stored with exactly this text (first one when duplicated), else None."""
+    return self._text_to_id.get(text)
+
+  # -- encode / decode --
+
+  def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None,
+             parse_special: bool = True) -> list[int]:
+    """Token ids of `text`. add_bos/add_eos default to the file's flags. With parse_special=False
+    control-token texts in `text` are tokenized as plain text (user-defined ones still match)."""
+    if parse_special:
+      ids = self._tok.encode(text, add_special_tokens=False).ids
+    else:
+      self._tok.encode_special_tokens = True
+      try:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+      finally:
+        self._tok.encode_special_tokens = False
+    return self._wrap(ids, add_bos, add_eos)
+
+  def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None,
+                   add_eos: bool | None = None) -> list[list[int]]:
+    """`encode` of several texts at once (tokenized in parallel by the Rust backend)."""
+    encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    return [self._wrap(e.ids, add_bos, add_eos) for e in encs]
+
+  def _wrap(self, ids: list[int], add_bos: bool | None, add_eos: bool | None) -> list[int]:
+    if (self._add_bos if add_bos is None else add_bos) and self._bos_id is not None:
+      ids = [self._bos_id] + ids
+    if (self._add_eos if add_eos is None else add_eos) and self._eos_id is not None:
+      ids = ids + [self._eos_id]
+    return ids
+
+  def decode(self, ids, skip_special: bool = True) -> str:
+    """Text of `ids` (list or 1-D array); control tokens are dropped when skip_special."""
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+  # -- chat --
+
+  @property
+  def chat_template(self) -> ChatTemplate:
+    """The built-in renderer chosen for this model's chat template."""
+    if self._chat is None:
+      bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
+      self._chat = ChatTemplate.detect(self._chat_source, self._text_to_id, bos_text)
+    return self._chat
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render `[{"role": ..., "content": ...}, ...]` the way the model's chat template does."""
+    return self.chat_template.render(messages, add_generation_prompt)
+
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the rendered chat. BOS is added per the file's flag unless the template already
+    wrote it (Gemma's `{{ bos_token }}`), so it appears exactly once, as llama.cpp's server does."""
+    text = self.apply_chat_template(messages, add_generation_prompt)
+    bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
+    add_bos = self._add_bos and not (bos_text and text.startswith(bos_text))
+    return self.encode(text, add_bos=add_bos, add_eos=False)
+
+  def __repr__(self) -> str:
+    return (f"Tokenizer(model={self._model_type!r}, pre={self._pre!r}, vocab_size={self._vocab_size}, "
+            f"bos={self._bos_id}, eos={self._eos_id}, eos_ids={self._eos_ids}, add_bos={self._add_bos})")
