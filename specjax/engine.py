@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 
 import jax
@@ -44,8 +45,8 @@ def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, samp
   emitted = jnp.where(idx == n_acc[:, None], nxt[:, None],
                       jnp.concatenate([draft.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1))   # [B, K+1]
   state = dataclasses.replace(state, cache=cache, keys=keys)
-  state, _ = emit(state, emitted, jnp.where(live, n_acc + 1, 0), stop_ids, max_new)
-  return state, n_acc, nxt, dlen, verified, tapped, live
+  state, n_out = emit(state, emitted, jnp.where(live, n_acc + 1, 0), stop_ids, max_new)
+  return state, n_acc, nxt, dlen, verified, tapped, live, n_out
 
 
 def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry):
@@ -54,12 +55,12 @@ def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry
                      target_len=state.cache.lengths, n_max=dp["n_max"], p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
-  state, n_acc, nxt, dlen, verified, tapped, live = verify_and_accept(
+  state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
       params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps)
   result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
                        layer_taps=tapped["layers"], live=live)
   dstate = drafter.commit(dparams, dstate, result)
-  return state, dstate, stats.update(dlen, n_acc, live)
+  return state, dstate, stats.update(dlen, n_acc, live, n_out)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "capacity", "history_len"))
@@ -84,11 +85,12 @@ def _prefill_only(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, c
 def _host_round(params, state, stats, draft_tokens, draft_lengths, sampling, dp, stop_ids, max_new, *, cfg):
   draft = Draft(tokens=draft_tokens, lengths=draft_lengths)
   hl_before = state.hist_len
-  state, n_acc, _, dlen, _, _, live = verify_and_accept(params, cfg, state, draft, dp, sampling, stop_ids, max_new)
+  state, n_acc, _, dlen, _, _, live, n_out = verify_and_accept(params, cfg, state, draft, dp, sampling,
+                                                               stop_ids, max_new)
   k1 = draft_tokens.shape[1] + 1
   cols = hl_before[:, None] + jnp.arange(k1)[None, :]
   new_tokens = jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
-  return state, stats.update(dlen, n_acc, live), n_acc, new_tokens, state.hist_len - hl_before, state.done
+  return state, stats.update(dlen, n_acc, live, n_out), n_acc, dlen, new_tokens, n_out, state.done
 
 
 @dataclasses.dataclass
@@ -144,17 +146,26 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
   n_max = np.asarray(dp["n_max"])
   drafter.begin([list(p) for p in prompts])
   draft_seconds = 0.0
+  takes_verified = "verified" in inspect.signature(drafter.accept).parameters
   while not done.all():
     t0 = time.perf_counter()
     d_tok, d_len, _ = drafter.propose(histories, np.where(done, 0, n_max))
     draft_seconds += time.perf_counter() - t0
-    d_tok = np.asarray(d_tok, np.int32).reshape(b, k)
-    state, stats, n_acc, new_tokens, n_new, done_dev = _host_round(
-        params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len, jnp.int32), sampling, dp, stop, max_new, cfg=cfg)
-    n_acc, new_tokens, n_new, done = (np.asarray(x) for x in (n_acc, new_tokens, n_new, done_dev))
+    d_len = np.minimum(np.asarray(d_len, np.int32), n_max)
+    # Verify only as wide as this round's longest draft (power-of-two widths: few compilations).
+    width = min(k, 1 << int(max(int(d_len.max()), 1) - 1).bit_length())
+    d_tok = np.asarray(d_tok, np.int32).reshape(b, -1)[:, :width]
+    state, stats, n_acc, dlen, new_tokens, n_new, done_dev = _host_round(
+        params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len), sampling, dp, stop, max_new, cfg=cfg)
+    n_acc, dlen, new_tokens, n_new, done = (np.asarray(x) for x in (n_acc, dlen, new_tokens, n_new, done_dev))
     t0 = time.perf_counter()
-    drafter.accept(n_acc)
-    draft_seconds += time.perf_counter() - t0
+    if takes_verified:
+      drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified
+    else:
+      drafter.accept(n_acc)
     for i in range(b):
       histories[i].extend(new_tokens[i, : n_new[i]].tolist())
+    draft_seconds += time.perf_counter() - t0
+  if hasattr(drafter, "end"):
+    drafter.end(histories)      # e.g. the suffix drafter's global tree learns the final tokens
   return state, stats, draft_seconds

@@ -24,13 +24,14 @@ class RoundStats:
   acc_tokens: jax.Array       # [B] draft tokens accepted
   drafted_by_pos: jax.Array   # [K] rounds whose draft reached position i
   accepted_by_pos: jax.Array  # [K] rounds whose draft was accepted through position i
+  emitted: jax.Array          # [B] tokens emitted by rounds (after stop-token / budget cuts)
 
   @staticmethod
   def zeros(batch: int, k: int) -> "RoundStats":
     z = jnp.zeros((batch,), jnp.int32)
-    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32))
+    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z)
 
-  def update(self, dlen, n_acc, live) -> "RoundStats":
+  def update(self, dlen, n_acc, live, n_emitted) -> "RoundStats":
     k = self.drafted_by_pos.shape[0]
     pos = jnp.arange(k)[None, :]
     live_i = live.astype(jnp.int32)
@@ -41,7 +42,8 @@ class RoundStats:
         gen_tokens=self.gen_tokens + dlen * live_i,
         acc_tokens=self.acc_tokens + n_acc * live_i,
         drafted_by_pos=self.drafted_by_pos + jnp.sum((pos < dlen[:, None]) & live[:, None], axis=0),
-        accepted_by_pos=self.accepted_by_pos + jnp.sum((pos < n_acc[:, None]) & live[:, None], axis=0))
+        accepted_by_pos=self.accepted_by_pos + jnp.sum((pos < n_acc[:, None]) & live[:, None], axis=0),
+        emitted=self.emitted + n_emitted)
 
 
 @dataclasses.dataclass
@@ -57,10 +59,12 @@ class SpecStats:
   drafted_by_pos: list[int]
   accepted_by_pos: list[int]
   seconds: float
+  emitted: int = 0                    # tokens emitted by verification rounds (cut at stop / budget)
   draft_seconds: float = 0.0          # host drafters: time spent proposing/accepting on the host
   per_seq_rounds: list[int] = dataclasses.field(default_factory=list)
   per_seq_acc_tokens: list[int] = dataclasses.field(default_factory=list)
   per_seq_gen_tokens: list[int] = dataclasses.field(default_factory=list)
+  per_seq_emitted: list[int] = dataclasses.field(default_factory=list)
 
   @staticmethod
   def from_rounds(name: str, rs: RoundStats, n_seq: int, seconds: float, draft_seconds: float = 0.0) -> "SpecStats":
@@ -68,14 +72,15 @@ class SpecStats:
     return SpecStats(name=name, n_seq=n_seq, rounds=int(h.rounds.sum()), gen_drafts=int(h.gen_drafts.sum()),
                      acc_drafts=int(h.acc_drafts.sum()), gen_tokens=int(h.gen_tokens.sum()),
                      acc_tokens=int(h.acc_tokens.sum()), drafted_by_pos=h.drafted_by_pos.tolist(),
-                     accepted_by_pos=h.accepted_by_pos.tolist(), seconds=seconds, draft_seconds=draft_seconds,
+                     accepted_by_pos=h.accepted_by_pos.tolist(), emitted=int(h.emitted.sum()), seconds=seconds, draft_seconds=draft_seconds,
                      per_seq_rounds=h.rounds.tolist(), per_seq_acc_tokens=h.acc_tokens.tolist(),
-                     per_seq_gen_tokens=h.gen_tokens.tolist())
+                     per_seq_gen_tokens=h.gen_tokens.tolist(), per_seq_emitted=h.emitted.tolist())
 
   @property
   def tau(self) -> float:
-    """Mean tokens emitted per verification round (accepted drafts + the bonus token)."""
-    return (self.acc_tokens + self.rounds) / max(self.rounds, 1)
+    """Mean tokens emitted per verification round (accepted drafts + the bonus token), counting
+    only what was emitted (the last round may be cut by a stop token or the token budget)."""
+    return self.emitted / max(self.rounds, 1)
 
   @property
   def acceptance_rate(self) -> float:

@@ -44,6 +44,7 @@ class PromptRecord:
   rounds: int = 0
   gen_tokens: int = 0
   acc_tokens: int = 0
+  emitted: int = 0
   drafted_by_pos: list = dataclasses.field(default_factory=list)
   accepted_by_pos: list = dataclasses.field(default_factory=list)
   draft_seconds: float = 0.0
@@ -129,7 +130,7 @@ def run_method(cfg: ExperimentConfig, target, method: MethodConfig | None, quest
         if method is not None:
           st = r.stats
           rec.rounds, rec.acc_tokens = st.per_seq_rounds[j], st.per_seq_acc_tokens[j]
-          rec.gen_tokens = st.per_seq_gen_tokens[j]
+          rec.gen_tokens, rec.emitted = st.per_seq_gen_tokens[j], st.per_seq_emitted[j]
           rec.draft_seconds = st.draft_seconds
           if len(idx) == 1:   # per-position counts are per batch; kept when the batch is one prompt
             rec.drafted_by_pos, rec.accepted_by_pos = st.drafted_by_pos, st.accepted_by_pos
@@ -158,7 +159,7 @@ def _summary(records: list[PromptRecord], plain: dict) -> dict:
       "tokens_per_s": tokens / max(seconds, 1e-9),
       "mean_tokens_per_s": statistics.fmean(r.tokens_per_s for r in records) if records else 0.0,
       "speedup": statistics.fmean(speedups) if speedups else None,
-      "tau": (acc + rounds) / rounds if rounds else 1.0,
+      "tau": sum(r.emitted for r in records) / rounds if rounds else 1.0,
       "acceptance_rate": acc / max(sum(r.gen_tokens for r in records), 1) if rounds else None,
       "acceptance_by_pos": [float(a / d) if d else 0.0 for a, d in zip(accepted, drafted)],
       "equal": statistics.fmean(equal) if equal else None,
