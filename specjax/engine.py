@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
+from specjax.decode import prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill
 from specjax.models.decoder import forward
 from specjax.sampling import SamplingParams, shaped_probs, split_keys
@@ -64,21 +65,22 @@ def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "capacity", "history_len"))
-def _spec_generate(params, dparams, tokens, prompt_lens, sampling, dp, stop_ids, max_new, *,
-                   cfg, drafter, capacity, history_len):
+def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_new, *,
+                  cfg, drafter, capacity, history_len):
   state, tapped = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity,
                           history_len, taps=drafter.taps)
   dstate = drafter.init(dparams, tokens, prompt_lens, tapped, capacity)
-  stats = RoundStats.zeros(tokens.shape[0], drafter.max_draft)
+  return state, dstate
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("state", "dstate"))
+def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter):
+  """Every round of every sequence in one while_loop; shapes depend on capacity and history
+  length only, so one compilation serves every prompt width."""
+  stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
   body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new)
   state, _, stats = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
   return state, stats
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "history_len"))
-def _prefill_only(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, cfg, capacity, history_len):
-  state, _ = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity, history_len)
-  return state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
@@ -110,7 +112,7 @@ class SpecResult:
 
 def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_new_tokens: int = 128,
                          sampling: SamplingParams | None = None, draft_params: DraftParams | None = None,
-                         stop_ids=(), capacity: int | None = None) -> SpecResult:
+                         stop_ids=(), capacity: int | None = None, warm_widths: bool = False) -> SpecResult:
   """Speculative generation of a ragged batch of token prompts with one drafter."""
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
@@ -119,27 +121,39 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   cap = plan_capacity(tokens.shape[1], max_new_tokens, k + 1, capacity)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   max_new = jnp.full((b,), max_new_tokens, jnp.int32)
-  history_len = tokens.shape[1] + max_new_tokens + k + 2
+  history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
   t0 = time.perf_counter()
   if drafter.on_device:
-    state, stats = _spec_generate(params, drafter.params(), jnp.asarray(tokens), jnp.asarray(lens), sampling, dp,
-                                  stop, max_new, cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
+    dparams = drafter.params()
+    state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
+                                  cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
+    state, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg, drafter=drafter)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
     state, stats, draft_seconds = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop,
-                                             max_new, cap, history_len)
+                                             max_new, cap, history_len, warm_widths)
     seconds = time.perf_counter() - t0
   outs = outputs_of(state)
   return SpecResult(tokens=outs, seconds=seconds,
                     stats=SpecStats.from_rounds(drafter.name, stats, b, seconds, draft_seconds))
 
 
-def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len):
+def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len,
+               warm_widths=False):
   b, k = len(prompts), drafter.max_draft
-  state = _prefill_only(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
-                        cfg=cfg, capacity=cap, history_len=history_len)
+  state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
+                      cfg=cfg, capacity=cap, history_len=history_len)
   stats = RoundStats.zeros(b, k)
+  if warm_widths:   # compile every verify width now (on a throwaway copy), so timed runs never compile
+    width, widest = 1, min(k, 1 << int(max(int(np.asarray(dp["n_max"]).max()), 1) - 1).bit_length())
+    while True:
+      w = min(width, widest)
+      _host_round(params, jax.tree_util.tree_map(jnp.copy, state), stats, jnp.zeros((b, w), jnp.int32),
+                  jnp.zeros((b,), jnp.int32), sampling, dp, stop, max_new, cfg=cfg)
+      if w >= widest:
+        break
+      width *= 2
   first = np.asarray(state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
   done = np.asarray(state.done)

@@ -97,7 +97,8 @@ class SpecStats:
     return d
 
   def format(self) -> str:
-    by_pos = " ".join(f"{a:.2f}" for a in self.acceptance_by_pos)
+    shown = max([i + 1 for i, d in enumerate(self.drafted_by_pos) if d] or [0])
+    by_pos = " ".join(f"{a:.2f}" for a in self.acceptance_by_pos[:min(shown, 16)]) + (" ..." if shown > 16 else "")
     return (f"statistics {self.name}: #calls(b,g,a) = {self.n_seq} {self.rounds} {self.rounds}, "
             f"#gen drafts = {self.gen_drafts}, #acc drafts = {self.acc_drafts}, "
             f"#gen tokens = {self.gen_tokens}, #acc tokens = {self.acc_tokens}, "

@@ -31,6 +31,7 @@ from specjax.models.load import load_model
 from specjax.sampling import SamplingParams
 
 PLAIN = "plain"
+DEFAULT_CAPACITY = 2048   # one cache size for the whole run: decode loops compile once
 
 
 @dataclasses.dataclass
@@ -75,21 +76,21 @@ class _Runner:
       self.drafter = make_speculator(method.speculator, target, draft_model=dm, draft_params=self.draft_params,
                                      options=dict(method.options), policy=method.policy)
 
-  def _call(self, prompts):
+  def _call(self, prompts, warm=False):
     b = len(prompts)
     s = self.cfg.sampling
     sampling = SamplingParams.make(b, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=self.cfg.seed)
     kw = dict(max_new_tokens=self.cfg.max_new_tokens, sampling=sampling, stop_ids=self.stop_ids,
-              capacity=self.cfg.capacity)
+              capacity=self.cfg.capacity or DEFAULT_CAPACITY)
     if self.drafter is None:
       return generate_plain(self.target.params, self.target.cfg, prompts, **kw)
     return speculative_generate(self.target.params, self.target.cfg, prompts, self.drafter,
-                                draft_params=self.draft_params, **kw)
+                                draft_params=self.draft_params, warm_widths=warm, **kw)
 
   def run(self, prompts):
     shape = (len(prompts), round_up(max(len(p) for p in prompts), PROMPT_BUCKET))
     if shape not in self.seen_shapes:
-      self._call(prompts)          # compile + warm-up, not timed
+      self._call(prompts, warm=True)   # compile + warm-up, not timed
       self.seen_shapes.add(shape)
     runs = [self._call(prompts) for _ in range(self.cfg.repeats)]
     best = min(runs, key=lambda r: r.seconds)

@@ -150,3 +150,19 @@ def verify(name: str) -> bool:
   """True when the cached file of `name` exists and has the expected sha256."""
   path = model_path(name)
   return path.exists() and sha256_of(path) == _source(name).sha256
+
+
+def install_file(name: str, path: str | Path) -> Path:
+  """Put an already downloaded (or joined) GGUF file of model `name` into the cache after checking
+  its sha256: the way to provide weights on a machine with no package index."""
+  src = _source(name)
+  path = Path(path)
+  digest = sha256_of(path)
+  if digest != src.sha256:
+    raise FetchError(f"{path}: sha256 {digest} is not that of {name} ({src.sha256}); not installed")
+  final = model_path(name)
+  final.parent.mkdir(parents=True, exist_ok=True)
+  if path.resolve() != final.resolve():
+    shutil.copyfile(path, final)
+  final.with_name(final.name + ".sha256").write_text(src.sha256)
+  return final
