@@ -59,7 +59,8 @@ def encode_prompts(target: LoadedModel, prompts: Sequence[str | list[int]], chat
 def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, speculator: Any = None,
              sampling: SamplingParams | dict | None = None, draft_params: DraftParams | dict | None = None,
              max_new_tokens: int = 128, chat: bool = True, stop_at_eos: bool = True,
-             draft_model: LoadedModel | str | None = None, capacity: int | None = None) -> Output:
+             draft_model: LoadedModel | str | None = None, head: Any = None,
+             capacity: int | None = None) -> Output:
   """Generate for a batch of prompts (text or token lists), with or without speculation."""
   tokens = encode_prompts(target, prompts, chat)
   b = len(tokens)
@@ -73,7 +74,7 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   else:
     if isinstance(draft_params, dict):
       draft_params = DraftParams(**draft_params)
-    drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params)
+    drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head)
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
                              sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity)

@@ -40,7 +40,7 @@ def cmd_generate(args) -> int:
   prompts = args.prompt or [sys.stdin.read()]
   kw = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat)
   if args.spec and args.spec != "none":
-    kw.update(speculator=args.spec, draft_model=args.draft_model, draft_params=draft_params)
+    kw.update(speculator=args.spec, draft_model=args.draft_model, draft_params=draft_params, head=args.head)
   if args.warmup:   # compile once so tokens/s measures generation, not XLA compilation
     api.generate(target, prompts, **kw)
   out = api.generate(target, prompts, **kw)
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
   g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
   g.add_argument("--spec", default=None, help="speculator name or comma-separated chain (e.g. ngram_simple,suffix)")
   g.add_argument("--draft-model", default=None, help="draft model for --spec draft")
+  g.add_argument("--head", default=None, help="trained head (safetensors) for --spec mtp")
   g.add_argument("--n-max", type=_csv(int), default=8, help="longest draft (per prompt: comma-separated)")
   g.add_argument("--n-min", type=_csv(int), default=0, help="shorter drafts are not verified")
   g.add_argument("--p-min", type=_csv(float), default=0.0, help="model drafters stop below this top-1 probability")
@@ -84,11 +85,14 @@ def main(argv=None) -> int:
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
 
+  from specjax.bench.cli import add_bench_commands
+  add_bench_commands(sub)
   try:
-    from specjax.bench.cli import add_bench_commands
-    add_bench_commands(sub)
-  except ImportError:
-    pass
+    from specjax.train.cli import add_train_commands
+  except ImportError:   # training commands arrive with specjax/train
+    add_train_commands = None
+  if add_train_commands is not None:
+    add_train_commands(sub)
 
   args = ap.parse_args(argv)
   try:

@@ -34,6 +34,7 @@ class MethodConfig:
   name: str
   speculator: str                                   # "draft", "ngram_simple", ..., or a chain "a,b"
   draft_model: str | None = None
+  head: str | None = None                           # trained head file for "mtp" (and later eagle3 / dflash)
   policy: str = "best"                              # chains: "best" | "first"
   options: dict = dataclasses.field(default_factory=dict)
   draft_params: DraftParamsConfig = DraftParamsConfig()

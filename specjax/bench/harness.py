@@ -74,7 +74,7 @@ class _Runner:
       dp = method.draft_params
       self.draft_params = DraftParams(n_max=dp.n_max, n_min=dp.n_min, p_min=dp.p_min)
       self.drafter = make_speculator(method.speculator, target, draft_model=dm, draft_params=self.draft_params,
-                                     options=dict(method.options), policy=method.policy)
+                                     options=dict(method.options), policy=method.policy, head=method.head)
 
   def _call(self, prompts, warm=False):
     b = len(prompts)

@@ -12,7 +12,7 @@ HOST_SPECULATORS = {
     "ngram_cache": ("specjax.drafters.ngram", "NgramCache"),
     "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
 }
-MODEL_SPECULATORS = ("draft",)
+MODEL_SPECULATORS = ("draft", "mtp")
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 
 
@@ -23,7 +23,7 @@ def _host(name: str, options: dict[str, Any]):
 
 
 def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, options: dict | None = None,
-                    policy: str = "best"):
+                    policy: str = "best", head=None):
   """A drafter from a name ("ngram_simple"), a chain ("ngram_simple,suffix") or a drafter object."""
   if not isinstance(spec, str):
     return spec
@@ -33,7 +33,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     raise ValueError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
   options = options or {}
   if len(names) > 1:
-    if "draft" in names:
+    if "draft" in names or "mtp" in names:
       raise ValueError("chains of the model drafter with host speculators are not supported yet; "
                        "chain host speculators (ngram_*, suffix)")
     from specjax.drafters.chain import Chain
@@ -41,6 +41,11 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
   name = names[0]
   if name == "draft":
     return make_draft_model_drafter(target, draft_model, draft_params)
+  if name == "mtp":
+    from specjax.drafters.mtp import make_mtp_drafter
+    if head is None:
+      raise ValueError("speculator 'mtp' needs a trained head (--head PATH)")
+    return make_mtp_drafter(target, head, draft_params)
   return _host(name, options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {}))
 
 

