@@ -59,7 +59,7 @@ def _filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
   srt = -jnp.sort(-z, axis=-1)                                                  # [B, T, V] descending
   k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None, None]             # [B, 1, 1]
   kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, srt.shape[:-1] + (1,)), axis=-1)
-  ps = jax.nn.softmax(srt, axis=-1)
+  ps = jax.nn.softmax(jnp.where(jnp.arange(v) < k, srt, -jnp.inf), axis=-1)   # nucleus within the top-k
   before = jnp.cumsum(ps, axis=-1) - ps                                         # mass strictly above
   keep_sorted = before < top_p[:, None, None]
   n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)                         # >= 1

@@ -162,7 +162,7 @@ def _summary(records: list[PromptRecord], plain: dict) -> dict:
       "speedup": statistics.fmean(speedups) if speedups else None,
       "tau": sum(r.emitted for r in records) / rounds if rounds else 1.0,
       "acceptance_rate": acc / max(sum(r.gen_tokens for r in records), 1) if rounds else None,
-      "acceptance_by_pos": [float(a / d) if d else 0.0 for a, d in zip(accepted, drafted)],
+      "acceptance_by_pos": [float(a / d) if d else None for a, d in zip(accepted, drafted)],   # None: never drafted
       "equal": statistics.fmean(equal) if equal else None,
       "draft_seconds": sum(r.draft_seconds for r in records),
   }

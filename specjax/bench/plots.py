@@ -20,7 +20,8 @@ def plot_result(result: dict, out_png: str | Path) -> Path:
   for m in methods:
     by_pos = summary[m]["overall"]["acceptance_by_pos"]
     if by_pos:
-      ax.plot(np.arange(1, len(by_pos) + 1), by_pos, marker="o", label=m)
+      ys = np.array([np.nan if a is None else a for a in by_pos], float)
+      ax.plot(np.arange(1, len(ys) + 1), ys, marker="o", ms=3, label=m)
   ax.set(title="acceptance by draft position", xlabel="position", ylabel="P(accepted | drafted)", ylim=(0, 1.02))
   ax.legend(fontsize=8)
   width = 0.8 / max(len(methods), 1)

@@ -28,6 +28,7 @@ class ModelConfig:
   layer_types: tuple[str, ...] = ()         # "full" | "sliding", one per layer
   norm_eps: float = 1e-5
   qkv_bias: bool = False
+  o_bias: bool = False                      # llama attention_bias also biases o_proj
   tie_embeddings: bool = False
   qk_norm: bool = False                     # gemma3
   sandwich_norm: bool = False               # gemma3: post-attention / post-ffn norms
@@ -81,7 +82,10 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
       rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       bos_id=hf.get("bos_token_id"), eos_id=_first(hf.get("eos_token_id")))
   if model_type == "llama":
+    if hf.get("mlp_bias"):
+      raise NotImplementedError("llama mlp_bias=True is not supported")
     return ModelConfig(arch="llama", qkv_bias=bool(hf.get("attention_bias", False)),
+                       o_bias=bool(hf.get("attention_bias", False)),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
   if model_type == "qwen2":
     return ModelConfig(arch="qwen2", qkv_bias=True,

@@ -79,7 +79,7 @@ class Attention(nnx.Module):
     self.q_proj = Linear(cfg.d_model, h * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
     self.k_proj = Linear(cfg.d_model, kvh * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
     self.v_proj = Linear(cfg.d_model, kvh * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.o_proj = Linear(h * d, cfg.d_model, bias=False, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
       self.k_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)

@@ -48,5 +48,10 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jn
     return jnp.asarray(arr, dtype=dtype)
 
   filled = jax.tree_util.tree_map_with_path(fill, pure)
+  unused = sorted(n for n in tensors if n not in used and n.startswith(("model.", "lm_head."))
+                  and "rotary_emb" not in n)
+  if unused:
+    raise ValueError(f"checkpoint tensors this {cfg.arch} config has no place for (unsupported "
+                     f"variant?): {unused[:8]}{' ...' if len(unused) > 8 else ''}")
   nnx.replace_by_pure_dict(state, filled)
   return state
