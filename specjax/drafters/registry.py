@@ -39,6 +39,12 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     from specjax.drafters.chain import Chain
     return Chain([_host(n, options.get(n, {})) for n in names], policy=policy)
   name = names[0]
+  opts = options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {})
+  if name == "ngram_simple" and opts.get("device", True):
+    from specjax.drafters.ngram_device import NgramSimpleDevice
+    import numpy as np
+    width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
+    return NgramSimpleDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
   if name == "draft":
     return make_draft_model_drafter(target, draft_model, draft_params)
   if name == "mtp":
@@ -46,7 +52,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     if head is None:
       raise ValueError("speculator 'mtp' needs a trained head (--head PATH)")
     return make_mtp_drafter(target, head, draft_params)
-  return _host(name, options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {}))
+  return _host(name, {k: v for k, v in opts.items() if k != "device"})
 
 
 def make_draft_model_drafter(target, draft_model, draft_params=None):

@@ -13,6 +13,22 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import Transformer
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _hf_names(path: tuple) -> tuple[list[str], bool]:
+  """Our parameter path -> (HF tensor names, concatenated along the output axis; transposed?)."""
+  parts = [str(p) for p in path]
+  if len(parts) >= 2 and parts[-2] in FUSED:
+    names = []
+    for part in FUSED[parts[-2]]:
+      name, transposed = _hf_name(tuple(parts[:-2] + [part, parts[-1]]))
+      names.append(name)
+    return names, transposed
+  name, transposed = _hf_name(path)
+  return [name], transposed
+
+
 def _hf_name(path: tuple) -> tuple[str, bool]:
   """Our parameter path -> (HF tensor name, whether HF stores it transposed)."""
   parts = [str(p) for p in path]
@@ -36,15 +52,16 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jn
 
   def fill(path, leaf):
     keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-    name, transposed = _hf_name(keys)
-    if name not in tensors:
-      raise KeyError(f"checkpoint lacks tensor {name!r} (needed for parameter {'/'.join(map(str, keys))})")
-    arr = np.asarray(tensors[name])
+    names, transposed = _hf_names(keys)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+      raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(map(str, keys))})")
+    arr = np.concatenate([np.asarray(tensors[n]) for n in names], axis=0)       # [out, in] stacked on out
     if transposed:
       arr = arr.T
     if arr.shape != leaf.shape:
-      raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected {leaf.shape}")
-    used.add(name)
+      raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")
+    used.update(names)
     return jnp.asarray(arr, dtype=dtype)
 
   filled = jax.tree_util.tree_map_with_path(fill, pure)
