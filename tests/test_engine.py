@@ -15,6 +15,7 @@ from specjax.decode import generate_plain
 from specjax.drafters.base import DraftContext, DraftParams
 from specjax.drafters.draft_model import DraftModelDrafter, IncompatibleDraftError, check_compatible
 from specjax.engine import speculative_generate
+from specjax.models.decoder import forward
 from specjax.sampling import SamplingParams, shaped_probs
 from specjax.state import KVCache
 
@@ -213,13 +214,18 @@ def test_top_k_then_top_p_matches_transformers_warpers():
 
 
 def test_draft_params_apply_per_sequence(tiny_llama, noisy_drafter, plain3):
-  """One batch, three behaviours (DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0, 0, 0.2])):
+  """One batch, three behaviours (DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0, 0, p2])):
   sequence 0 never drafts (every round emits one token); sequence 1 verifies exactly 2 draft
   tokens every round; sequence 2 verifies drafts of 3 or 4 tokens only, and some rounds none
   (p_min cut the draft below n_min). Each sequence's output and statistics equal those of the same
   sequence run alone with its parameters, and every output is still the plain greedy output."""
   cfg, params = tiny_llama
-  dp = DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0.0, 0.0, 0.2])
+  # p_min for sequence 2: the 20th percentile of the draft model's top-1 probability along that
+  # sequence's greedy output, so p_min cuts some draft steps but not most, whatever the weights.
+  ctx = jnp.asarray([PROMPTS3[2] + plain3[2]], jnp.int32)
+  d_logits, _, _ = forward(noisy_drafter.weights, cfg, ctx, KVCache.init(cfg, 1, ctx.shape[1] + 8))
+  p2 = float(np.quantile(np.asarray(jax.nn.softmax(d_logits[0], -1).max(-1)), 0.2))
+  dp = DraftParams(n_max=[0, 2, 4], n_min=[0, 0, 3], p_min=[0.0, 0.0, p2])
   res = speculative_generate(params, cfg, PROMPTS3, noisy_drafter, max_new_tokens=MAX_NEW, draft_params=dp)
   st = res.stats
   _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
@@ -243,7 +249,7 @@ def test_draft_params_apply_per_sequence(tiny_llama, noisy_drafter, plain3):
         (rounds[i], gen[i], acc[i]), f"sequence {i} drafts differently inside the batch"
   # without n_min, the same p_min lets sequence 2 verify drafts shorter than 3: n_min did the cutting
   no_min = speculative_generate(params, cfg, PROMPTS3[2:], noisy_drafter, max_new_tokens=MAX_NEW,
-                                draft_params=DraftParams(n_max=4, n_min=0, p_min=0.2))
+                                draft_params=DraftParams(n_max=4, n_min=0, p_min=p2))
   assert no_min.stats.drafted_by_pos[0] > no_min.stats.drafted_by_pos[2], no_min.stats.drafted_by_pos
   assert no_min.tokens[0] == plain3[2]
 

@@ -59,17 +59,19 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     x = self.embed_tokens(tokens)                                                # [B, T, d_model]
-    if self.cfg.embed_scale:
+    if self.cfg.embed_scale:   # Gemma scales in the weight dtype (the normalizer is rounded to it)
       x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
-    return x
+    return x.astype(jnp.float32)                                                 # float32 residual stream
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Final norm + LM head. h [B, T, d_model] (pre-norm) -> [B, T, V] float32."""
     h = self.norm(h)
     if self.lm_head is None:
-      out = jnp.einsum("btd,vd->btv", h, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
+      w = self.embed_tokens.embedding[...]
+      out = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
-      out = jnp.einsum("btd,dv->btv", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+      w = self.lm_head.kernel[...]
+      out = jnp.einsum("btd,dv->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     return out
 
   def __call__(self, tokens, cache: KVCache, positions, masks, *, taps: Sequence[int] = (), last_only=None):

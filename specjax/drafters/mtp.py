@@ -1,0 +1,360 @@
+"""`mtp`: multi-token-prediction heads (DeepSeek-V3's NextN layers) drafting from the target's own
+hidden state.
+
+One head: `h' = block(eh_proj(concat(enorm(embed(t_next)), hnorm(h))))`, where `h` is the target's
+hidden state before its final norm at position p, `t_next` the token at p + 1, `block` one decoder
+block of the target's family, and the target's final norm + LM head turn `h'` into logits for the
+token at p + 2. Recursive drafting feeds `h'` back as `h` with the drafted token.
+
+Entries and positions. The head's KV cache holds one entry per position p: `(h_p, x_{p+1})` with
+the target's `h_p`; these are the *committed* entries. Drafting from base i = target_len - 1
+(the position of the hidden state that predicted `last`):
+  step 0: head 0 on the committed entry `(h_i, last)` at position i       -> d1
+  step j: head m(j) on `(h'_{j-1}, d_j)` at position i + j                -> d_{j+1}
+with m(j) = min(j, n_heads - 1): several heads are used one per step, the last one recursively.
+Every head keeps its own cache of the committed entries (its own K/V weights), plus its own draft
+entries of the current round; a draft entry sees the committed entries at positions <= i and the
+head's own earlier draft entries. Training (`specjax/train/mtp.py`) uses exactly this visibility.
+
+Cache bookkeeping (the invariant between rounds): every head cache holds the committed entries of
+positions < target_len - 1; the entry at target_len - 1 pairs the target's newest hidden state
+(`pending`, from the last verification) with `last`, which the drafter only learns in `propose`,
+so `propose` writes it first (into every head), then drafts. `commit` rolls every cache back to
+target_len (dropping draft entries) and writes the accepted tokens with the target's hidden states
+from verification: the head then never conditions on its own guesses for committed positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.models.config import ModelConfig
+from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
+from specjax.models.layers import Linear, RMSNorm
+from specjax.models.weights import FUSED
+from specjax.state import KVCache
+
+FORMAT = "specjax-mtp-v1"
+
+
+def block_config(cfg: ModelConfig) -> ModelConfig:
+  """The head's one decoder block: the target's family and sizes, one full-attention layer."""
+  return cfg.replace(n_layers=1, layer_types=("full",))
+
+
+class MTPHead(nnx.Module):
+  """enorm, hnorm, eh_proj and one decoder block; the final norm and LM head are the target's."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.enorm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+    self.hnorm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+    self.eh_proj = Linear(2 * d, d, bias=False, dtype=dtype, rngs=rngs)
+    self.block = Block(block_config(cfg), 0, dtype=dtype, rngs=rngs)
+
+  def __call__(self, emb, h, positions, write_kv, masks):
+    """emb, h [B, T, d_model]; positions [B, T]; write_kv(k, v) -> (k_all, v_all); masks [B, T, S].
+    Returns (h' [B, T, d_model] pre-norm, (k_all, v_all))."""
+    x = jnp.concatenate([self.enorm(emb), self.hnorm(h.astype(emb.dtype))], axis=-1)   # [B, T, 2D]
+    x = self.eh_proj(x)                                                                # [B, T, D]
+    return self.block(x, positions, write_kv, masks)
+
+
+@functools.lru_cache(maxsize=None)
+def head_graphdef(cfg: ModelConfig, dtype_name: str):
+  abstract = nnx.eval_shape(lambda: MTPHead(cfg, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  return graphdef
+
+
+def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.float32,
+               target_params=None, block_from_layer: int | None = None) -> tuple[dict, ...]:
+  """Random head parameters: a tuple of pure dicts, one per head. With `block_from_layer`, each
+  head's block starts as a copy of that target layer (a warm start for training)."""
+  heads = []
+  for m in range(n_heads):
+    head = MTPHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed + m))
+    pure = nnx.to_pure_dict(nnx.split(head)[1])
+    if block_from_layer is not None:
+      layers = nnx.to_pure_dict(target_params)["layers"]
+      src = layers[block_from_layer % cfg.n_layers]
+      pure["block"] = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), src)
+    heads.append(pure)
+  return tuple(heads)
+
+
+def heads_dtype(heads) -> str:
+  return str(jax.tree_util.tree_leaves(heads)[0].dtype)
+
+
+def apply_head(hparams, cfg: ModelConfig, emb, h, positions, write_kv, masks):
+  """One head as a pure function of its parameters (a pure dict or nnx.State)."""
+  head = nnx.merge(head_graphdef(cfg, heads_dtype(hparams)), hparams)
+  return head(emb, h, positions, write_kv, masks)
+
+
+def head_step(hparams, cfg: ModelConfig, emb, h, cache: KVCache, positions, n_new):
+  """Run T entries through one head with its KV cache (one layer): written at slots
+  `lengths .. lengths+T-1`, at rotary `positions` [B, T], committed up to `n_new` [B].
+  Returns (h' [B, T, d_model], cache)."""
+  masks = attention_masks(block_config(cfg), cache.lengths, positions, cache.capacity)
+  out, (k, v) = apply_head(hparams, cfg, emb, h, positions, functools.partial(cache.write, 0), masks)
+  return out, KVCache(k=(k,), v=(v,), lengths=cache.lengths + jnp.asarray(n_new, jnp.int32))
+
+
+def head_for_step(j: int, n_heads: int) -> int:
+  """Drafting step j uses head min(j, n_heads - 1)."""
+  return min(j, n_heads - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPState:
+  caches: tuple[KVCache, ...]     # one per head, 1 layer each
+  pending: jax.Array              # [B, d_model] target pre-norm hidden at target_len - 1 (predicted `last`)
+  base: jax.Array                 # [B] target_len when the current draft was made
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter:
+  """Device drafter over MTP heads. `weights` = {"heads": tuple of head params, "target": the
+  target's params (embedding, final norm, LM head are shared)}; hashable by static config only."""
+  cfg: ModelConfig                # the target's config
+  n_heads: int = 1
+  max_draft: int = 4
+  weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  name: str = "mtp"
+  on_device: bool = True
+  taps: tuple[int, ...] = ()
+
+  def params(self):
+    return self.weights
+
+  def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity: int) -> MTPState:
+    """Warm every head on the prompt: entries (h_p, x_{p+1}) for p < prompt_len - 1; h at
+    prompt_len - 1 waits (`pending`) for the first sampled token."""
+    tp, heads = dparams["target"], dparams["heads"]
+    b, t = prompt_tokens.shape
+    prenorm = prefill_taps["prenorm"]                                               # [B, T, D]
+    nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)   # [B, T]
+    emb = embed_tokens(tp, self.cfg, nxt)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    n_new = jnp.maximum(prompt_lens - 1, 0)
+    dtype = jax.tree_util.tree_leaves(heads)[0].dtype
+    caches = []
+    for hp in heads:
+      cache = KVCache.init(block_config(self.cfg), b, capacity, dtype=dtype)
+      _, cache = head_step(hp, self.cfg, emb, prenorm, cache, positions, n_new)
+      caches.append(cache)
+    pending = jnp.take_along_axis(prenorm, n_new[:, None, None], axis=1)[:, 0]       # [B, D]
+    return MTPState(caches=tuple(caches), pending=pending, base=prompt_lens)
+
+  def propose(self, dparams, dstate: MTPState, ctx: DraftContext) -> tuple[Draft, MTPState]:
+    tp, heads = dparams["target"], dparams["heads"]
+    b, k, nh = ctx.last.shape[0], self.max_draft, self.n_heads
+    base_pos = ctx.target_len - 1                                                   # [B] position i
+    ones = jnp.ones((b,), jnp.int32)
+
+    def pick(h):   # h [B, 1, D] -> greedy token and its probability under the head
+      probs = jax.nn.softmax(logits_from_prenorm(tp, self.cfg, h)[:, 0].astype(jnp.float32), axis=-1)
+      return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
+
+    # step 0: the committed entry (pending, last) at position i, written into every head
+    emb = embed_tokens(tp, self.cfg, ctx.last[:, None])                             # [B, 1, D]
+    caches = list(dstate.caches)
+    out = None
+    for m in range(nh):
+      o, caches[m] = head_step(heads[m], self.cfg, emb, dstate.pending[:, None], caches[m], base_pos[:, None], ones)
+      out = o if m == 0 else out
+    tok0, conf0 = pick(out)
+    active0 = (conf0 >= ctx.p_min) & (ctx.n_max > 0)
+    tokens0 = jnp.zeros((b, k), jnp.int32).at[:, 0].set(tok0)
+
+    def run_head(m, h, tok, caches, j):
+      emb = embed_tokens(tp, self.cfg, tok[:, None])
+      caches = list(caches)
+      o, caches[m] = head_step(heads[m], self.cfg, emb, h, caches[m], (base_pos + j)[:, None], ones)
+      return o, tuple(caches)
+
+    def cond(c):
+      j, _, _, _, active, _ = c
+      return (j < k) & jnp.any(active)
+
+    def body(c):
+      j, h, caches, tokens, active, lengths = c
+      prev = jax.lax.dynamic_index_in_dim(tokens, j - 1, axis=1, keepdims=False)    # [B]
+      if nh == 1:
+        o, caches = run_head(0, h, prev, caches, j)
+      else:
+        branches = [functools.partial(run_head, m) for m in range(nh)]
+        o, caches = jax.lax.switch(jnp.minimum(j, nh - 1), branches, h, prev, caches, j)
+      tok, conf = pick(o)
+      active = active & (conf >= ctx.p_min) & (j < ctx.n_max)
+      tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, j, axis=1)
+      return j + 1, o, caches, tokens, active, lengths + active.astype(jnp.int32)
+
+    init = (jnp.int32(1), out, tuple(caches), tokens0, active0, active0.astype(jnp.int32))
+    _, _, caches, tokens, _, lengths = jax.lax.while_loop(cond, body, init)
+    return Draft(tokens=tokens, lengths=lengths), dataclasses.replace(dstate, caches=caches, base=ctx.target_len)
+
+  def commit(self, dparams, dstate: MTPState, result: RoundResult) -> MTPState:
+    """Drop the draft entries; write (h_p, x_{p+1}) for the accepted tokens with the target's
+    hidden states from verification; the hidden state that predicted the new `last` waits."""
+    tp, heads = dparams["target"], dparams["heads"]
+    n = jnp.where(result.live, result.n_accepted, 0)                                # [B]
+    k = result.verified.shape[1] - 1
+    base = dstate.base
+    emb = embed_tokens(tp, self.cfg, result.verified[:, 1:])                        # [B, K, D] d1..dK
+    h = result.prenorm[:, :k]                                                       # [B, K, D] at last, d1..
+    positions = base[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    new_len = jnp.where(result.live, base + n, base - 1)
+    caches = []
+    for hp, cache in zip(heads, dstate.caches):
+      _, cache = head_step(hp, self.cfg, emb, h, cache.with_lengths(base), positions, n)
+      caches.append(cache.with_lengths(new_len))
+    at_n = jnp.take_along_axis(result.prenorm, n[:, None, None], axis=1)[:, 0]       # [B, D]
+    pending = jnp.where(result.live[:, None], at_n.astype(dstate.pending.dtype), dstate.pending)
+    return MTPState(caches=tuple(caches), pending=pending, base=base)
+
+
+# ----------------------------------------------------------------------------------------------
+# saving and loading heads: bf16 safetensors + a JSON config
+
+
+def _fused_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  return {"qkv_proj": (h * d, kvh * d, kvh * d), "gate_up_proj": (cfg.ffn_dim, cfg.ffn_dim)}
+
+
+def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
+  """A head parameter path -> (tensor names in the file, stored transposed [out, in]?).
+
+  The file uses HF / DeepSeek-style names and layout, whatever our module tree looks like:
+  `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [D, 2D], then the decoder layer's own
+  (`input_layernorm.weight`, `self_attn.q_proj.weight`, `mlp.gate_proj.weight`, ...); fused
+  projections are stored as their HF parts."""
+  parts = list(path[1:]) if path[0] == "block" else list(path)
+  leaf = parts[-1]
+  transposed = leaf == "kernel"
+  hf_leaf = "bias" if leaf == "bias" else "weight"
+  if len(parts) >= 2 and parts[-2] in FUSED:
+    return [".".join(parts[:-2] + [p, hf_leaf]) for p in FUSED[parts[-2]]], transposed
+  return [".".join(parts[:-1] + [hf_leaf])], transposed
+
+
+def _leaves(tree, prefix=()):
+  for key, val in tree.items():
+    if isinstance(val, dict):
+      yield from _leaves(val, prefix + (str(key),))
+    else:
+      yield prefix + (str(key),), val
+
+
+def _set(tree, path, val):
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = val
+
+
+def head_paths(path: str | Path) -> tuple[Path, Path]:
+  """(weights, config) of a head: `X.safetensors` + `X.json`, or a directory holding
+  `mtp_head.safetensors` + `mtp_head.json`."""
+  path = Path(path)
+  if path.suffix == ".safetensors":
+    return path, path.with_suffix(".json")
+  if path.suffix == ".json":
+    return path.with_suffix(".safetensors"), path
+  return path / "mtp_head.safetensors", path / "mtp_head.json"
+
+
+def save_heads(path: str | Path, heads: Sequence, cfg: ModelConfig, *, dtype="bfloat16",
+               extra: dict | None = None) -> tuple[Path, Path]:
+  """Write the heads as `dtype` safetensors (`mtp.{m}.<HF name>`, [out, in] layout) and a JSON
+  config (the target config they were trained for, the head count, and `extra`)."""
+  from safetensors.numpy import save_file
+  wpath, cpath = head_paths(path)
+  wpath.parent.mkdir(parents=True, exist_ok=True)
+  sizes = _fused_sizes(cfg)
+  flat = {}
+  for m, hp in enumerate(heads):
+    pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
+    for leaf_path, arr in _leaves(pure):
+      names, transposed = _file_names(leaf_path)
+      arr = np.asarray(jnp.asarray(arr, dtype))
+      arr = arr.T if transposed else arr
+      pieces = np.split(arr, np.cumsum(sizes[leaf_path[-2]])[:-1], axis=0) if len(names) > 1 else [arr]
+      for name, piece in zip(names, pieces):
+        flat[f"mtp.{m}.{name}"] = np.ascontiguousarray(piece)
+  meta = {"format": FORMAT, "n_heads": len(heads), "dtype": str(jnp.dtype(dtype)),
+          "target_config": dataclasses.asdict(cfg), **(extra or {})}
+  save_file(flat, str(wpath), metadata={"format": FORMAT, "n_heads": str(len(heads))})
+  cpath.write_text(json.dumps(meta, indent=1, default=str) + "\n")
+  return wpath, cpath
+
+
+def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[dict, ...], dict]:
+  """(heads as a tuple of pure dicts, JSON config) for target config `cfg`; refuses a head trained
+  for a target of other sizes. `dtype` casts (default: as stored)."""
+  from safetensors.numpy import load_file
+  wpath, cpath = head_paths(path)
+  if not wpath.exists():
+    raise FileNotFoundError(f"no MTP head weights at {wpath}")
+  meta = json.loads(cpath.read_text()) if cpath.exists() else {}
+  got = meta.get("target_config", {})
+  want = dataclasses.asdict(cfg)
+  bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
+         if k in got and got[k] != want[k]]
+  if bad:
+    raise ValueError(f"MTP head {wpath} was trained for another target: "
+                     + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad))
+  flat = load_file(str(wpath))
+  n_heads = int(meta.get("n_heads", 1 + max(int(k.split(".")[1]) for k in flat)))
+  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, rngs=nnx.Rngs(0))))[1])
+  heads, used = [], set()
+  for m in range(n_heads):
+    pure: dict = {}
+    for leaf_path, leaf in _leaves(abstract):
+      names, transposed = _file_names(leaf_path)
+      names = [f"mtp.{m}.{n}" for n in names]
+      missing = [n for n in names if n not in flat]
+      if missing:
+        raise KeyError(f"MTP head {wpath} lacks tensor {missing[0]!r}")
+      arr = np.concatenate([flat[n] for n in names], axis=0)
+      arr = arr.T if transposed else arr
+      if arr.shape != leaf.shape:
+        raise ValueError(f"MTP head {wpath}: {names} give shape {arr.shape}, expected {leaf.shape}")
+      used.update(names)
+      _set(pure, leaf_path, jnp.asarray(arr, dtype) if dtype is not None else jnp.asarray(arr))
+    heads.append(pure)
+  unused = sorted(set(flat) - used)
+  if unused:
+    raise ValueError(f"MTP head {wpath} has tensors this target's head has no place for: {unused[:6]}")
+  return tuple(heads), meta
+
+
+def make_mtp_drafter(target, head, draft_params=None) -> MTPDrafter:
+  """The `mtp` speculator for a loaded target and a head path (or loaded heads)."""
+  dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
+  if isinstance(head, (str, Path)):
+    heads, _ = load_heads(head, target.cfg, dtype=dtype)
+  else:
+    heads = tuple(jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), h) for h in head)
+  n_max = 4
+  if draft_params is not None:
+    n_max = int(np.max(np.asarray(draft_params.n_max)))
+  return MTPDrafter(cfg=target.cfg, n_heads=len(heads), max_draft=max(n_max, 1),
+                    weights={"heads": tuple(heads), "target": target.params})

@@ -1,0 +1,284 @@
+"""Self-distillation data: the target answers training prompts with its chat template; we keep the
+token rows and, optionally, the target's pre-norm hidden states ("taps") along them, so training a
+head need not run the target again.
+
+On disk, a dataset is a folder:
+  info.json                       what built it (config, target, dtype, git revision)
+  manifest.json                   the shards written so far (a build resumes after the last one)
+  shard_00000.npz                 tokens [n, W] int32 (prompt + response, right-padded),
+                                  lens [n], prompt_lens [n], source [n] (index into info's sources)
+  shard_00000.prenorm.npy         [n, W, d_model] target pre-norm hidden states, `taps_dtype`
+                                  (bfloat16 stored as its uint16 bits), memory-mapped when read
+
+Prompts come from the prompt sets (GSM8K train, Alpaca, HumanEval; never MT-bench, which is the
+evaluation set), each shuffled with the seed and interleaved round-robin, so shard s always holds
+the same prompts and a bigger `n_sequences` extends a dataset instead of changing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+EVAL_ONLY = ("mt_bench",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceConfig:
+  name: str                          # prompt-set name (gsm8k, alpaca, humaneval) or a JSONL path
+  limit: int | None = None           # at most this many of its prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  dir: str = "out/mtp_data"
+  sources: tuple[SourceConfig, ...] = (SourceConfig("gsm8k"), SourceConfig("alpaca"), SourceConfig("humaneval"))
+  n_sequences: int = 256             # rows in the dataset
+  max_prompt_len: int = 192          # longer prompts are skipped
+  max_new_tokens: int = 256          # response budget per prompt
+  batch_size: int = 16               # prompts per generation batch (= rows per shard)
+  temperature: float = 0.0           # 0: the target's greedy answers
+  store_taps: bool = True            # store the target's pre-norm hidden states
+  taps_dtype: str = "bfloat16"       # bfloat16 | float16 | float32
+  seed: int = 0
+
+  @property
+  def width(self) -> int:
+    """Stored row width: prompt + response."""
+    return self.max_prompt_len + self.max_new_tokens
+
+  def identity(self) -> dict:
+    """The fields that decide the content of shard s (n_sequences only decides how many)."""
+    d = dataclasses.asdict(self)
+    d.pop("n_sequences")
+    d.pop("dir")
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts
+
+
+def prompt_stream(dc: DataConfig, encode) -> Iterator[tuple[int, list[int]]]:
+  """(source index, chat-encoded prompt tokens): each source shuffled with the seed, interleaved
+  round-robin; prompts longer than max_prompt_len are skipped."""
+  from specjax.bench.prompts import load_prompt_set
+  lists = []
+  for i, src in enumerate(dc.sources):
+    if src.name in EVAL_ONLY or Path(src.name).stem.startswith("mt_bench"):
+      raise ValueError(f"data source {src.name!r} is an evaluation set; train on gsm8k, alpaca, humaneval")
+    qs = load_prompt_set(src.name)
+    order = np.random.default_rng(dc.seed + i).permutation(len(qs))
+    texts = [qs[j].turns[0] for j in order]
+    lists.append(texts[:src.limit] if src.limit else texts)
+  iters = [iter(t) for t in lists]
+  live = list(range(len(iters)))
+  while live:
+    for i in list(live):
+      text = next(iters[i], None)
+      if text is None:
+        live.remove(i)
+        continue
+      tokens = encode(text)
+      if len(tokens) <= dc.max_prompt_len:
+        yield i, tokens
+
+
+def _rows_of(prompts: list[list[int]], responses: list[list[int]], width: int):
+  n = len(prompts)
+  tokens = np.zeros((n, width), np.int32)
+  lens = np.zeros((n,), np.int32)
+  plens = np.zeros((n,), np.int32)
+  for r, (p, resp) in enumerate(zip(prompts, responses)):
+    row = (list(p) + list(resp))[:width]
+    tokens[r, :len(row)] = row
+    lens[r], plens[r] = len(row), len(p)
+  return tokens, lens, plens
+
+
+# ----------------------------------------------------------------------------------------------
+# taps
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def target_prenorm(params, tokens, lens, *, cfg):
+  """The target's pre-norm hidden states [B, W, D] along token rows [B, W] (valid up to lens)."""
+  from specjax.models.decoder import forward
+  from specjax.state import KVCache
+  b, w = tokens.shape
+  cache = KVCache.init(cfg, b, w, dtype=jax.tree_util.tree_leaves(params)[0].dtype)
+  _, taps, _ = forward(params, cfg, tokens, cache, n_new=lens)
+  return taps["prenorm"]
+
+
+def encode_taps(x, taps_dtype: str) -> np.ndarray:
+  """Device taps -> the stored numpy array (bfloat16 as uint16 bits: .npy has no bfloat16)."""
+  if taps_dtype == "bfloat16":
+    return np.asarray(x.astype(jnp.bfloat16)).view(np.uint16)
+  if taps_dtype in ("float16", "float32"):
+    return np.asarray(x.astype(taps_dtype))
+  raise ValueError(f"taps_dtype must be bfloat16, float16 or float32, got {taps_dtype!r}")
+
+
+def decode_taps(arr: np.ndarray, taps_dtype: str) -> np.ndarray:
+  return arr.view(ml_dtypes.bfloat16) if taps_dtype == "bfloat16" else arr
+
+
+# ----------------------------------------------------------------------------------------------
+# building
+
+
+def _write_json(path: Path, obj) -> None:
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1) + "\n")
+  os.replace(tmp, path)
+
+
+def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, progress: bool = True,
+                  dtype_name: str | None = None) -> Path:
+  """Generate (or extend / resume) the dataset of `dc` in `out_dir` (default dc.dir) with the loaded
+  target (`specjax.models.load.LoadedModel`). Returns the dataset folder."""
+  from tqdm.auto import tqdm
+
+  from specjax.bench.env import git_revision
+  from specjax.decode import generate_plain
+  from specjax.generation import PROMPT_BUCKET, round_up
+  from specjax.sampling import SamplingParams
+
+  out = Path(out_dir or dc.dir)
+  out.mkdir(parents=True, exist_ok=True)
+  dtype_name = dtype_name or str(jax.tree_util.tree_leaves(target.params)[0].dtype)
+  identity = {"data": dc.identity(), "target": target.source or target.name, "dtype": dtype_name,
+              "d_model": target.cfg.d_model}
+  info_path, manifest_path = out / "info.json", out / "manifest.json"
+  if info_path.exists():
+    old = json.loads(info_path.read_text())
+    if old.get("identity") != json.loads(json.dumps(identity)):
+      raise ValueError(f"{out} holds a dataset built with other settings ({old.get('identity')}); "
+                       f"use another data.dir or delete it")
+  else:
+    _write_json(info_path, {"identity": identity, "sources": [s.name for s in dc.sources],
+                            "git_revision": git_revision(), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+  manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"shards": []}
+  done = {s["index"]: s for s in manifest["shards"]}
+
+  tok = target.tokenizer
+  encode = lambda text: tok.encode_chat([{"role": "user", "content": text}])
+  stop_ids = tuple(tok.eos_ids)
+  bs = dc.batch_size
+  n_shards = -(-dc.n_sequences // bs)
+  capacity = round_up(round_up(dc.max_prompt_len, PROMPT_BUCKET) + dc.max_new_tokens + 1, 64)
+  stream = prompt_stream(dc, encode)
+  have = sum(s["rows"] for s in done.values() if s["index"] < n_shards)
+  bar = tqdm(total=n_shards * bs, initial=min(have, n_shards * bs), disable=not progress, desc="data",
+             unit="seq", dynamic_ncols=True)
+  t0, new_tokens = time.perf_counter(), 0
+  for s in range(n_shards):
+    chunk = [next(stream, None) for _ in range(bs)]
+    chunk = [c for c in chunk if c is not None]
+    if not chunk:
+      break
+    if s in done:
+      continue
+    srcs = np.asarray([c[0] for c in chunk], np.int32)
+    prompts = [c[1] for c in chunk]
+    padded = prompts + [prompts[0]] * (bs - len(prompts))      # same batch shape: no recompilation
+    seeds = [dc.seed * 1_000_003 + s * bs + r for r in range(bs)]
+    sampling = SamplingParams.make(bs, temperature=dc.temperature, seed=seeds)
+    gen = generate_plain(target.params, target.cfg, padded, max_new_tokens=dc.max_new_tokens,
+                         sampling=sampling, stop_ids=stop_ids, capacity=capacity)
+    tokens, lens, plens = _rows_of(prompts, gen.tokens[:len(prompts)], dc.width)
+    stem = f"shard_{s:05d}"
+    if dc.store_taps:
+      pad = np.zeros((bs - len(prompts), dc.width), np.int32)
+      pre = target_prenorm(target.params, jnp.asarray(np.concatenate([tokens, pad])),
+                           jnp.asarray(np.concatenate([lens, np.ones(bs - len(prompts), np.int32)])),
+                           cfg=target.cfg)[:len(prompts)]
+      tmp = out / f"{stem}.prenorm.tmp.npy"
+      np.save(tmp, encode_taps(pre, dc.taps_dtype))
+      os.replace(tmp, out / f"{stem}.prenorm.npy")
+    tmp = out / f"{stem}.tmp.npz"
+    np.savez(tmp, tokens=tokens, lens=lens, prompt_lens=plens, source=srcs)
+    os.replace(tmp, out / f"{stem}.npz")
+    n_resp = int((lens - plens).sum())
+    done[s] = {"index": s, "rows": len(prompts), "response_tokens": n_resp, "tokens": int(lens.sum())}
+    manifest = {"shards": [done[i] for i in sorted(done)]}
+    _write_json(manifest_path, manifest)
+    new_tokens += n_resp
+    bar.update(len(prompts))
+    bar.set_postfix(gen_tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+  bar.close()
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+class ShardDataset:
+  """A built dataset, read back: token rows in memory, taps memory-mapped."""
+
+  def __init__(self, path: str | Path, max_rows: int | None = None):
+    self.path = Path(path)
+    manifest_path = self.path / "manifest.json"
+    if not manifest_path.exists():
+      raise FileNotFoundError(f"{self.path} holds no dataset (no manifest.json); build it with "
+                              f"`specjax train data --config ...`")
+    self.info = json.loads((self.path / "info.json").read_text())
+    data = self.info["identity"]["data"]
+    self.taps_dtype = data["taps_dtype"]
+    self.has_taps = bool(data["store_taps"])
+    shards = json.loads(manifest_path.read_text())["shards"]
+    parts, self._taps, self._where = [], [], []
+    for sh in shards:
+      stem = self.path / f"shard_{sh['index']:05d}"
+      with np.load(f"{stem}.npz") as z:
+        parts.append({k: z[k] for k in ("tokens", "lens", "prompt_lens", "source")})
+      if self.has_taps:
+        self._taps.append(np.load(f"{stem}.prenorm.npy", mmap_mode="r"))
+      self._where.extend((len(parts) - 1, r) for r in range(sh["rows"]))
+    if not parts:
+      raise ValueError(f"{self.path}: the dataset has no shards yet")
+    self.arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    if max_rows is not None:
+      self.arrays = {k: v[:max_rows] for k, v in self.arrays.items()}
+      self._where = self._where[:max_rows]
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+  @property
+  def width(self) -> int:
+    return self.arrays["tokens"].shape[1]
+
+  @property
+  def n_response_tokens(self) -> int:
+    return int((self.arrays["lens"] - self.arrays["prompt_lens"]).sum())
+
+  def rows(self, idx: np.ndarray, with_taps: bool = True) -> dict[str, np.ndarray]:
+    out = {k: self.arrays[k][idx] for k in ("tokens", "lens", "prompt_lens")}
+    if with_taps and self.has_taps:
+      out["prenorm"] = np.stack([decode_taps(np.asarray(self._taps[s][r]), self.taps_dtype)
+                                 for s, r in (self._where[i] for i in idx)])
+    return out
+
+  def batch(self, step: int, batch_size: int, seed: int = 0, with_taps: bool = True) -> dict[str, np.ndarray]:
+    """Batch number `step`: rows of epoch-wise permutations, a pure function of (step, seed)."""
+    n = len(self)
+    first = step * batch_size
+    idx = []
+    while len(idx) < batch_size:
+      epoch, off = divmod(first + len(idx), n)
+      perm = np.random.default_rng([seed, epoch]).permutation(n)
+      idx.extend(perm[off:off + batch_size - len(idx)].tolist())
+    return self.rows(np.asarray(idx), with_taps=with_taps)

@@ -1,0 +1,181 @@
+"""A generic training loop for drafter heads (MTP now; EAGLE-3 and DFlash plug in the same way).
+
+What a head brings: its trainable parameters (a pytree, float32 master copy), a frozen pytree
+(the target's parameters), a loss function and a batch source:
+
+    loss_fn(params, frozen, batch, rng) -> (loss scalar, {metric name: scalar})
+    get_batch(step) -> {name: numpy array}      # a pure function of the step: resumable
+
+The loop owns everything else: AdamW with global-norm clipping and a warmup-cosine schedule, one
+jitted step (params and optimizer state donated), orbax checkpoints every `ckpt_every` steps with
+resume from the newest, metrics as JSON lines, and a tqdm bar. Batches are a function of the step
+index (not an iterator's position), so a resumed run sees exactly the batches an uninterrupted
+run would have seen, and ends with the same parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000                  # optimizer steps in total
+  lr: float = 1e-3                   # peak learning rate
+  warmup_steps: int = 50
+  end_lr_ratio: float = 0.1          # cosine decays to lr * end_lr_ratio at `steps`
+  weight_decay: float = 0.0
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.95
+  seed: int = 0
+  log_every: int = 10
+  ckpt_every: int = 100
+  keep_ckpts: int = 2
+
+  @staticmethod
+  def from_dict(d: dict) -> "TrainConfig":
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    return TrainConfig(**d)
+
+
+def schedule(tc: TrainConfig) -> optax.Schedule:
+  warmup = min(tc.warmup_steps, max(tc.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(tc.steps, warmup + 1),
+                                            end_value=tc.lr * tc.end_lr_ratio)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping, without its learning rate: the step scales by the scheduled
+  rate, which it takes as an argument (so one compiled step serves every schedule and length)."""
+  return _optimizer(tc.clip_norm, tc.b1, tc.b2, tc.weight_decay)
+
+
+def _optimizer(clip_norm, b1, b2, weight_decay):
+  return optax.chain(optax.clip_by_global_norm(clip_norm), optax.scale_by_adam(b1=b1, b2=b2),
+                     optax.add_decayed_weights(weight_decay))
+
+
+def make_train_step(loss_fn: Callable, tc: TrainConfig):
+  """(optimizer, jitted step): step(params, opt_state, frozen, batch, step, lr, seed) ->
+  (params, opt_state, metrics); params and optimizer state are donated."""
+  return _train_step(loss_fn, tc.clip_norm, tc.b1, tc.b2, tc.weight_decay)
+
+
+@functools.lru_cache(maxsize=16)
+def _train_step(loss_fn, clip_norm, b1, b2, weight_decay):
+  opt = _optimizer(clip_norm, b1, b2, weight_decay)
+
+  def step_fn(params, opt_state, frozen, batch, step, lr, seed):
+    rng = jax.random.fold_in(jax.random.key(seed), step)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, batch, rng)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    params = jax.tree_util.tree_map(lambda p, u: p - lr * u.astype(p.dtype), params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), lr=lr)
+    return params, opt_state, metrics
+
+  return opt, jax.jit(step_fn, donate_argnums=(0, 1))
+
+
+class Checkpoints:
+  """Orbax checkpoints of {params, opt_state} per step under `directory`."""
+
+  def __init__(self, directory: str | Path, keep: int = 2):
+    import orbax.checkpoint as ocp
+    self._ocp = ocp
+    self.manager = ocp.CheckpointManager(
+        Path(directory).absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False))
+
+  def latest(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, tree) -> None:
+    self.manager.save(step, args=self._ocp.args.StandardSave(tree))
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, like):
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+    return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
+
+  def close(self):
+    self.manager.close()
+
+
+@dataclasses.dataclass
+class TrainResult:
+  params: Any
+  step: int                          # steps done in total
+  metrics: dict                      # the last logged metrics
+  seconds: float                     # wall time of this call
+  resumed_from: int | None
+
+
+def _host(metrics: dict) -> dict:
+  return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], tc: TrainConfig,
+          out_dir: str | Path, *, resume: bool = True, stop_at: int | None = None,
+          progress: bool = True, log_name: str = "metrics.jsonl") -> TrainResult:
+  """Train `params` for `tc.steps` steps (or until `stop_at`, for a deliberately interrupted run),
+  checkpointing to `out_dir/checkpoints` and logging to `out_dir/metrics.jsonl`. With `resume`,
+  continue from the newest checkpoint there."""
+  from tqdm.auto import tqdm
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  opt, step_fn = make_train_step(loss_fn, tc)
+  sched = schedule(tc)
+  params = jax.tree_util.tree_map(jnp.array, params)    # a copy: the step donates its buffers
+  opt_state = opt.init(params)
+  ckpts = Checkpoints(out / "checkpoints", keep=tc.keep_ckpts)
+  start, resumed = 0, None
+  if resume and ckpts.latest() is not None:
+    resumed = start = ckpts.latest()
+    state = ckpts.restore(start, {"params": params, "opt_state": opt_state})
+    params, opt_state = state["params"], state["opt_state"]
+  end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+  log_path = out / log_name
+  if start == 0 and log_path.exists():
+    log_path.unlink()
+  elif log_path.exists():   # drop lines past the checkpoint (logged by a run that went on after it)
+    lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+    log_path.write_text("".join(ln + "\n" for ln in lines))
+  last: dict = {}
+  t0 = time.perf_counter()
+  bar = tqdm(total=tc.steps, initial=start, disable=not progress, desc="train", dynamic_ncols=True)
+  pending = []   # (step, device metrics) not yet logged: fetching them every step would sync
+  with open(log_path, "a") as log:
+    for step in range(start, end):
+      batch = {k: jnp.asarray(v) for k, v in get_batch(step).items()}
+      lr = jnp.float32(sched(step))
+      params, opt_state, metrics = step_fn(params, opt_state, frozen, batch, jnp.int32(step), lr, jnp.uint32(tc.seed))
+      pending.append((step + 1, metrics))
+      done = step + 1
+      if done % tc.log_every == 0 or done == end:
+        for s, m in pending:
+          last = {"step": s, **_host(m), "time": round(time.perf_counter() - t0, 3)}
+          log.write(json.dumps(last) + "\n")
+        log.flush()
+        pending = []
+        bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
+      bar.update(1)
+      if done % tc.ckpt_every == 0 or done == end:
+        ckpts.save(done, {"params": params, "opt_state": opt_state})
+  bar.close()
+  ckpts.close()
+  return TrainResult(params=params, step=end, metrics=last, seconds=time.perf_counter() - t0,
+                     resumed_from=resumed)
