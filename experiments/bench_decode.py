@@ -33,6 +33,7 @@ def main(argv=None):
   ap.add_argument("--new-tokens", type=int, default=256)
   ap.add_argument("--capacity", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--unroll", type=int, nargs="+", default=[1], help="decode steps per loop iteration")
   ap.add_argument("--prompts", default=None, help="prompt file (default: MT-bench in ../shared/data)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
@@ -42,17 +43,20 @@ def main(argv=None):
   questions = load_prompt_set(args.prompts)
   prompts_all = [tok.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
   rows = []
-  for b in args.batch:
-    prompts = [prompts_all[i % len(prompts_all)] for i in range(b)]
-    generate_plain(model.params, model.cfg, prompts, max_new_tokens=args.new_tokens, capacity=args.capacity)  # compile + warm
-    runs = [generate_plain(model.params, model.cfg, prompts, max_new_tokens=args.new_tokens, capacity=args.capacity)
-            for _ in range(args.repeats)]
-    secs = statistics.median(r.seconds for r in runs)
-    n = runs[0].n_generated
-    rows.append({"batch": b, "new_tokens_per_seq": args.new_tokens, "tokens": n, "seconds": secs,
-                 "tokens_per_s": n / secs, "ms_per_step": secs / args.new_tokens * 1e3,
-                 "all_seconds": [r.seconds for r in runs]})
-    print(f"batch {b:4d}: {n / secs:10.1f} tok/s  ({secs / args.new_tokens * 1e3:.3f} ms/step incl. prefill)", flush=True)
+  for unroll in args.unroll:
+    for b in args.batch:
+      prompts = [prompts_all[i % len(prompts_all)] for i in range(b)]
+      run = lambda: generate_plain(model.params, model.cfg, prompts, max_new_tokens=args.new_tokens,
+                                   capacity=args.capacity, unroll=unroll)
+      run()   # compile + warm-up
+      runs = [run() for _ in range(args.repeats)]
+      secs = statistics.median(r.seconds for r in runs)
+      n = runs[0].n_generated
+      rows.append({"batch": b, "unroll": unroll, "new_tokens_per_seq": args.new_tokens, "tokens": n,
+                   "seconds": secs, "tokens_per_s": n / secs, "ms_per_step": secs / args.new_tokens * 1e3,
+                   "all_seconds": [r.seconds for r in runs]})
+      print(f"unroll {unroll} batch {b:4d}: {n / secs:10.1f} tok/s  ({secs / args.new_tokens * 1e3:.3f} ms/step "
+            "incl. prefill)", flush=True)
   result = {"experiment": "decode_speed", "config": vars(args), "model_config": repr(model.cfg),
             "git_revision": git_revision(), "device": device_info(), "results": rows}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,11 +36,16 @@ def prefill_jit(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, cfg
   return state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def _decode_loop(params, state, sampling, stop_ids, max_new, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "unroll"), donate_argnames=("state",))
+def _decode_loop(params, state, sampling, stop_ids, max_new, *, cfg, unroll=1):
   """The whole decode in one while_loop. Its shapes depend on the cache capacity and history
-  length only, not on the prompt width: one compilation serves every prompt."""
-  body = lambda s: decode_step(params, cfg, s, sampling, stop_ids, max_new)
+  length only, not on the prompt width: one compilation serves every prompt. `unroll` decode
+  steps run per iteration (the loop condition is read back by the host once per iteration;
+  finished sequences emit nothing in the extra steps)."""
+  def body(s):
+    for _ in range(unroll):
+      s = decode_step(params, cfg, s, sampling, stop_ids, max_new)
+    return s
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
@@ -57,7 +62,7 @@ class DecodeResult:
 
 def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams | None = None, stop_ids=(), capacity: int | None = None,
-                   max_new=None) -> DecodeResult:
+                   max_new=None, unroll: int = 1) -> DecodeResult:
   """Autoregressive generation for a ragged batch of token prompts."""
   tokens, lens = pad_prompts(prompts)
   b = len(prompts)
@@ -69,7 +74,7 @@ def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int
   t0 = time.perf_counter()
   state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new_arr,
                       cfg=cfg, capacity=cap, history_len=history_len)
-  state = _decode_loop(params, state, sampling, stop, max_new_arr, cfg=cfg)
+  state = _decode_loop(params, state, sampling, stop, max_new_arr, cfg=cfg, unroll=unroll)
   jax.block_until_ready(state.hist_len)
   dt = time.perf_counter() - t0
   outs = outputs_of(state)

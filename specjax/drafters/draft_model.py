@@ -64,6 +64,8 @@ class DraftModelDrafter:
   cfg: ModelConfig
   max_draft: int = 8
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  unroll: bool = True          # draft steps unrolled (no per-step loop condition read by the host);
+                               # False: a while_loop that stops once every sequence fell below p_min
   name: str = "draft"
   on_device: bool = True
   taps: tuple[int, ...] = ()
@@ -108,8 +110,13 @@ class DraftModelDrafter:
       tokens = tokens.at[:, i].set(tok)
       return i + 1, cache, tokens, active, lengths + active.astype(jnp.int32)
 
-    _, cache, tokens, _, lengths = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), cache, tokens0, active0, lengths0))
+    carry = (jnp.int32(1), cache, tokens0, active0, lengths0)
+    if self.unroll:
+      for _ in range(1, k):
+        carry = body(carry)
+    else:
+      carry = jax.lax.while_loop(cond, body, carry)
+    _, cache, tokens, _, lengths = carry
     new_state = DraftModelState(cache=cache, base=ctx.target_len, end=cache.lengths)
     return Draft(tokens=tokens, lengths=lengths), new_state
 

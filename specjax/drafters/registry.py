@@ -46,7 +46,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
     return NgramSimpleDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
   if name == "draft":
-    return make_draft_model_drafter(target, draft_model, draft_params)
+    return make_draft_model_drafter(target, draft_model, draft_params, **opts)
   if name == "mtp":
     from specjax.drafters.mtp import make_mtp_drafter
     if head is None:
@@ -55,7 +55,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
   return _host(name, {k: v for k, v in opts.items() if k != "device"})
 
 
-def make_draft_model_drafter(target, draft_model, draft_params=None):
+def make_draft_model_drafter(target, draft_model, draft_params=None, **opts):
   from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
   from specjax.models.load import LoadedModel, load_model
   if draft_model is None:
@@ -70,4 +70,4 @@ def make_draft_model_drafter(target, draft_model, draft_params=None):
   if draft_params is not None:
     import numpy as np
     n_max = int(np.max(np.asarray(draft_params.n_max)))
-  return DraftModelDrafter(cfg=draft_model.cfg, max_draft=max(n_max, 1), weights=draft_model.params)
+  return DraftModelDrafter(cfg=draft_model.cfg, max_draft=max(n_max, 1), weights=draft_model.params, **opts)
