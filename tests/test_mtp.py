@@ -37,25 +37,43 @@ _jit_propose = jax.jit(lambda d, dp, st, ctx: d.propose(dp, st, ctx), static_arg
 _jit_commit = jax.jit(lambda d, dp, st, res: d.commit(dp, st, res), static_argnums=0)
 
 
-def _drafter(cfg, params, heads, k=K):
-  return MTPDrafter(cfg=cfg, n_heads=len(heads), max_draft=k, weights={"heads": tuple(heads), "target": params})
+@functools.partial(jax.jit, static_argnums=1)
+def _prenorm(params, cfg, toks, lens):
+  return forward(params, cfg, toks, KVCache.init(cfg, toks.shape[0], toks.shape[1]), n_new=lens)[1]["prenorm"]
 
 
-TRAIN_ROWS = (32, 32)        # random token rows the tiny head trains on (test_train uses the same shapes)
+def _drafter(cfg, params, heads, k=K, unroll=True):
+  return MTPDrafter(cfg=cfg, n_heads=len(heads), max_draft=k, unroll=unroll,
+                    weights={"heads": tuple(heads), "target": params})
+
+
+# drafter configurations of the hand-driven tests: one head with the draft steps unrolled, and two
+# heads (steps 0, 1 one head each, then the second recursively) in a while_loop that stops early
+CONFIGS = [pytest.param(1, True, id="1head-unrolled"), pytest.param(2, False, id="2heads-while")]
+
+
+# The tiny head trains with test_train's shapes and settings (4 rows of 24 tokens with float32 taps,
+# 2 heads, the same loss): one compilation of the training step serves both files.
+TRAIN_SHAPE = (4, 24)
+TRAIN_LOSS = LossConfig(n_steps=3, batch_size=4, positions_per_row=8, loss="kl")
 
 
 @pytest.fixture(scope="module")
 def trained_head(tiny_llama, tmp_path_factory):
-  """One head trained for 100 steps to match the tiny target's distributions (KL) on random token
+  """Two heads trained for 100 steps to match the tiny target's distributions (KL) on random token
   rows: right often enough, wrong often enough."""
   cfg, params = tiny_llama
-  rows = np.random.default_rng(0).integers(0, cfg.vocab_size, TRAIN_ROWS).astype(np.int32)
-  batch = {"tokens": rows, "lens": np.full(len(rows), rows.shape[1], np.int32),
-           "prompt_lens": np.zeros(len(rows), np.int32)}
-  loss_fn = make_loss_fn(cfg, LossConfig(n_steps=3, loss="kl"), 1, jnp.dtype("float32"))
+
+  def batch(step):
+    rows = np.random.default_rng(step).integers(0, cfg.vocab_size, TRAIN_SHAPE).astype(np.int32)
+    lens = np.full(len(rows), rows.shape[1], np.int32)
+    return {"tokens": rows, "lens": lens, "prompt_lens": np.zeros(len(rows), np.int32),
+            "prenorm": np.asarray(_prenorm(params, cfg, jnp.asarray(rows), jnp.asarray(lens)))}
+
+  loss_fn = make_loss_fn(cfg, TRAIN_LOSS, 2, jnp.dtype("float32"))
   tc = TrainConfig(steps=100, lr=1e-2, warmup_steps=10, log_every=50, ckpt_every=1000)
-  res = train(loss_fn, init_heads(cfg, 1, seed=1), params, lambda step: batch, tc,
-              tmp_path_factory.mktemp("mtp_tiny"), progress=False)
+  res = train(loss_fn, init_heads(cfg, 2, seed=1), params, batch, tc, tmp_path_factory.mktemp("mtp_tiny"),
+              progress=False)
   return res.params
 
 
@@ -139,11 +157,6 @@ def _ctx(seqs, target_len, p_min=0.0, n_max=None):
                       temperature=jnp.zeros((b,), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _prenorm(params, cfg, toks, lens):
-  return forward(params, cfg, toks, KVCache.init(cfg, toks.shape[0], toks.shape[1]), n_new=lens)[1]["prenorm"]
-
-
 def _prefill(params, cfg, seqs):
   """Prompt tokens right-padded to [B, W], lengths and the target's taps along them."""
   toks = np.zeros((len(seqs), W), np.int32)
@@ -155,20 +168,20 @@ def _prefill(params, cfg, seqs):
 
 def _head_probs(heads, cfg, params, seq, base):
   """Training's view: per step j, the head distribution at base position `base` of token row `seq`."""
-  toks = jnp.asarray([list(seq) + [0] * (W - len(seq))], jnp.int32)
-  pre = _prenorm(params, cfg, toks, jnp.asarray([len(seq)]))
+  toks = jnp.asarray([list(seq) + [0] * (W - len(seq))] * B, jnp.int32)     # B rows: shapes shared with _prefill
+  pre = _prenorm(params, cfg, toks, jnp.full((B,), len(seq), jnp.int32))
   outs = _jit_unroll(tuple(heads), cfg, params, toks, pre, K)
   return [np.asarray(jax.nn.softmax(logits_from_prenorm(params, cfg, o[:, base:base + 1])[0, 0])) for o in outs]
 
 
-@pytest.mark.parametrize("n_heads", [1, 3])
-def test_kv_cache_bookkeeping_across_rounds(tiny_llama, n_heads):
+@pytest.mark.parametrize("n_heads,unroll", CONFIGS)
+def test_kv_cache_bookkeeping_across_rounds(tiny_llama, n_heads, unroll):
   """Drive init -> (propose -> commit) x 4 by hand for 8 sequences with chosen outcomes (all
   rejected, some accepted, all accepted; one sequence finishes after round 1): after every commit
   each head's cache holds what a fresh `init` over the committed tokens holds (lengths, K/V in the
   committed slots, the pending hidden state), and the next draft equals the fresh state's."""
   cfg, params = tiny_llama
-  d = _drafter(cfg, params, init_heads(cfg, n_heads, seed=7))
+  d = _drafter(cfg, params, init_heads(cfg, n_heads, seed=7), unroll=unroll)
   dp = d.params()
   rng = np.random.default_rng(1)
   seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (6, 2, 9, 3, 5, 7, 4, 8)]   # `last` included
@@ -211,16 +224,16 @@ def test_kv_cache_bookkeeping_across_rounds(tiny_llama, n_heads):
     assert np.asarray(d_next.tokens).tolist() == np.asarray(d_ref.tokens).tolist()
 
 
-@pytest.mark.parametrize("n_heads", [1, 3])
-def test_training_unroll_drafts_what_the_drafter_drafts(tiny_llama, n_heads):
+@pytest.mark.parametrize("n_heads,unroll", CONFIGS)
+def test_training_unroll_drafts_what_the_drafter_drafts(tiny_llama, n_heads, unroll):
   """The training loss's unrolled heads (every base position at once, diagonal attention for the
   draft steps) give, at the base the drafter starts from, the distributions the drafter drafts
   from: the same greedy chain, and top-1 probabilities within 1e-5 (p_min just above step j's
-  cuts the draft at j; just below the smallest of steps 0..j lets it reach j + 1). With 3 heads
-  and K = 4, steps 0-2 use one head each and step 3 reuses the last one recursively."""
+  cuts the draft at j; just below the smallest of steps 0..j lets it reach j + 1). With 2 heads
+  and K = 4, steps 0 and 1 use one head each and steps 2, 3 reuse the last one recursively."""
   cfg, params = tiny_llama
   heads = init_heads(cfg, n_heads, seed=5)
-  d = _drafter(cfg, params, heads)
+  d = _drafter(cfg, params, heads, unroll=unroll)
   prompt, last = [3, 1, 4, 1, 5, 9, 2, 6], 7
   toks, lens, taps = _prefill(params, cfg, [prompt] * B)
   state = _jit_init(d, d.params(), toks, lens, taps, W)
@@ -241,7 +254,7 @@ def test_p_min_and_n_max_cut_the_draft(tiny_llama, trained_head):
   """Rows with different (n_max, p_min) on the same context: the draft is the head's greedy chain,
   cut after n_max tokens and before the first token whose head probability is below p_min."""
   cfg, params = tiny_llama
-  d = _drafter(cfg, params, trained_head)
+  d = _drafter(cfg, params, trained_head, unroll=False)
   prompt, last = [9, 2, 6, 5, 3, 5, 8], 1
   toks, lens, taps = _prefill(params, cfg, [prompt] * B)
   st = _jit_init(d, d.params(), toks, lens, taps, W)
@@ -270,7 +283,7 @@ def test_p_min_and_n_max_cut_the_draft(tiny_llama, trained_head):
 # losslessness
 
 
-N_SEQ = 2000
+N_SEQ = 1000
 STAT_PROMPT = [3, 1, 4, 1, 5]
 STAT_NEW = 3
 MIXED_NEW = 12              # tokens per row of the mixed greedy + sampled batch
@@ -294,7 +307,7 @@ def _counts(tokens, v) -> np.ndarray:
 
 
 def test_speculation_with_mtp_is_lossless(tiny_llama, trained_head):
-  """One batch, two checks (one compilation): three ragged greedy prompts and 2000 copies of one
+  """One batch, two checks (one compilation): three ragged greedy prompts and 1000 copies of one
   prompt sampled at temperature 1 with top-k 5 / top-p 0.9, each with its own seed.
   - Greedy rows: exactly `generate_plain`'s tokens, with acceptance strictly between 0 and 1.
   - Sampled rows: the joint law of the first three tokens fits the exact law of plain sampling and

@@ -111,7 +111,7 @@ def _spec(toy_dataset, out, **train_kw) -> MTPTrainSpec:
   return MTPTrainSpec(
       name="toy", target="tiny", dtype="float32", out_dir=str(out), export=str(out / "head" / "mtp_head.safetensors"),
       data=DataConfig(dir=str(toy_dataset)), head=HeadConfig(n_heads=2),
-      loss=LossConfig(n_steps=3, batch_size=4, positions_per_row=8, loss="kl"),
+      loss=LossConfig(n_steps=3, batch_size=4, positions_per_row=8, loss="kl"),   # = test_mtp's TRAIN_LOSS
       train=TrainConfig(**{**dict(steps=8, lr=1e-2, warmup_steps=2, log_every=2, ckpt_every=3), **train_kw}))
 
 

@@ -137,6 +137,8 @@ class MTPDrafter:
   n_heads: int = 1
   max_draft: int = 4
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  unroll: bool = True             # draft steps unrolled (no loop condition read per step on a GPU);
+                                  # False: a while_loop that stops once every sequence fell below p_min
   name: str = "mtp"
   on_device: bool = True
   taps: tuple[int, ...] = ()
@@ -194,11 +196,11 @@ class MTPDrafter:
       j, _, _, _, active, _ = c
       return (j < k) & jnp.any(active)
 
-    def body(c):
+    def body(c, static_j=None):
       j, h, caches, tokens, active, lengths = c
       prev = jax.lax.dynamic_index_in_dim(tokens, j - 1, axis=1, keepdims=False)    # [B]
-      if nh == 1:
-        o, caches = run_head(0, h, prev, caches, j)
+      if static_j is not None or nh == 1:
+        o, caches = run_head(head_for_step(static_j or 0, nh), h, prev, caches, j)
       else:
         branches = [functools.partial(run_head, m) for m in range(nh)]
         o, caches = jax.lax.switch(jnp.minimum(j, nh - 1), branches, h, prev, caches, j)
@@ -207,8 +209,13 @@ class MTPDrafter:
       tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, j, axis=1)
       return j + 1, o, caches, tokens, active, lengths + active.astype(jnp.int32)
 
-    init = (jnp.int32(1), out, tuple(caches), tokens0, active0, active0.astype(jnp.int32))
-    _, _, caches, tokens, _, lengths = jax.lax.while_loop(cond, body, init)
+    carry = (jnp.int32(1), out, tuple(caches), tokens0, active0, active0.astype(jnp.int32))
+    if self.unroll:
+      for j in range(1, k):
+        carry = body(carry, static_j=j)
+    else:
+      carry = jax.lax.while_loop(cond, body, carry)
+    _, _, caches, tokens, _, lengths = carry
     return Draft(tokens=tokens, lengths=lengths), dataclasses.replace(dstate, caches=caches, base=ctx.target_len)
 
   def commit(self, dparams, dstate: MTPState, result: RoundResult) -> MTPState:
@@ -346,8 +353,9 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
   return tuple(heads), meta
 
 
-def make_mtp_drafter(target, head, draft_params=None) -> MTPDrafter:
-  """The `mtp` speculator for a loaded target and a head path (or loaded heads)."""
+def make_mtp_drafter(target, head, draft_params=None, **opts) -> MTPDrafter:
+  """The `mtp` speculator for a loaded target and a head path (or loaded heads); `opts` are
+  MTPDrafter fields (e.g. unroll=False)."""
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   if isinstance(head, (str, Path)):
     heads, _ = load_heads(head, target.cfg, dtype=dtype)
@@ -357,4 +365,4 @@ def make_mtp_drafter(target, head, draft_params=None) -> MTPDrafter:
   if draft_params is not None:
     n_max = int(np.max(np.asarray(draft_params.n_max)))
   return MTPDrafter(cfg=target.cfg, n_heads=len(heads), max_draft=max(n_max, 1),
-                    weights={"heads": tuple(heads), "target": target.params})
+                    weights={"heads": tuple(heads), "target": target.params}, **opts)

@@ -108,8 +108,11 @@ class Checkpoints:
     self.manager.wait_until_finished()
 
   def restore(self, step: int, like):
+    """The tree saved at `step`, shaped like `like`, as uncommitted arrays (as fresh ones are:
+    committed arrays would make the jitted step compile a second time)."""
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
-    return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
+    tree = self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), tree)
 
   def close(self):
     self.manager.close()

@@ -166,9 +166,9 @@ def make_loss_fn(cfg: ModelConfig, lc: LossConfig, n_heads: int, compute_dtype):
     tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
     b, length = tokens.shape
     if "prenorm" in batch and not lc.recompute_taps:
-      prenorm = batch["prenorm"].astype(compute_dtype)
+      prenorm = batch["prenorm"].astype(jnp.float32)          # the residual stream is float32
     else:
-      cache = KVCache.init(cfg, b, length, dtype=compute_dtype)
+      cache = KVCache.init(cfg, b, length, dtype=jax.tree_util.tree_leaves(tparams)[0].dtype)
       prenorm = forward(tparams, cfg, tokens, cache, n_new=lens)[1]["prenorm"]
     prenorm = jax.lax.stop_gradient(prenorm)
     heads_c = _cast(heads, compute_dtype)
