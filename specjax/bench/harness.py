@@ -165,6 +165,7 @@ def _summary(records: list[PromptRecord], plain: dict) -> dict:
       "acceptance_by_pos": [float(a / d) if d else None for a, d in zip(accepted, drafted)],   # None: never drafted
       "equal": statistics.fmean(equal) if equal else None,
       "draft_seconds": sum(r.draft_seconds for r in records),
+      "draft_ms_per_round": 1e3 * sum(r.draft_seconds for r in records) / rounds if rounds else None,
   }
 
 
