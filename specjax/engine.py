@@ -53,7 +53,7 @@ def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, samp
 def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry):
   state, dstate, stats = carry
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
-                     target_len=state.cache.lengths, n_max=dp["n_max"], p_min=dp["p_min"],
+                     target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, dp["n_max"]), p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
   state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
@@ -79,8 +79,7 @@ def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, 
   length only, so one compilation serves every prompt width."""
   stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
   body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new)
-  state, _, stats = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
-  return state, stats
+  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
@@ -127,7 +126,10 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     dparams = drafter.params()
     state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                                   cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
-    state, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg, drafter=drafter)
+    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
+                                      drafter=drafter)
+    if hasattr(drafter, "end_device"):
+      drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:

@@ -35,7 +35,7 @@ class DraftContext:
   history: jax.Array                # [B, H] prompt + generated tokens
   hist_len: jax.Array               # [B]
   target_len: jax.Array             # [B] committed target cache length (= position of `last`)
-  n_max: jax.Array                  # [B] per-sequence draft budget (<= drafter.max_draft)
+  n_max: jax.Array                  # [B] per-sequence draft budget (<= drafter.max_draft; 0 once done)
   p_min: jax.Array                  # [B] per-sequence confidence floor for model drafters
   temperature: jax.Array            # [B] sampling temperature of the sequence
 

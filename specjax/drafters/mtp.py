@@ -77,10 +77,18 @@ def head_graphdef(cfg: ModelConfig, dtype_name: str):
   return graphdef
 
 
-def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.float32,
-               target_params=None, block_from_layer: int | None = None) -> tuple[dict, ...]:
-  """Random head parameters: a tuple of pure dicts, one per head. With `block_from_layer`, each
-  head's block starts as a copy of that target layer (a warm start for training)."""
+def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.float32, *,
+               init: str = "random", target_params=None, block_from_layer: int | None = None) -> tuple[dict, ...]:
+  """Head parameters: a tuple of pure dicts, one per head.
+
+  init "random": every matrix N(0, 1/d_in). init "identity": the head starts as the identity on the
+  hidden state (eh_proj = [0 | I], the block's output projections o_proj and down_proj zero, so its
+  residual branches start silent): its first logits are the target's own next-token logits, a
+  sensible start that trains much faster than random logits. `block_from_layer` copies that
+  target layer into each block instead (a warm start of another kind)."""
+  if init not in ("random", "identity"):
+    raise ValueError(f"init must be 'random' or 'identity', got {init!r}")
+  d = cfg.d_model
   heads = []
   for m in range(n_heads):
     head = MTPHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed + m))
@@ -89,6 +97,14 @@ def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.floa
       layers = nnx.to_pure_dict(target_params)["layers"]
       src = layers[block_from_layer % cfg.n_layers]
       pure["block"] = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), src)
+    if init == "identity":
+      pure["eh_proj"]["kernel"] = jnp.concatenate([jnp.zeros((d, d), dtype), jnp.eye(d, dtype=dtype)], axis=0)
+      if block_from_layer is None:
+        for path in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+          node = pure["block"]
+          for key in path:
+            node = node[key]
+          node["kernel"] = jnp.zeros_like(node["kernel"])
     heads.append(pure)
   return tuple(heads)
 

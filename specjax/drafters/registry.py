@@ -45,6 +45,11 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     import numpy as np
     width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
     return NgramSimpleDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
+  if name == "ngram_mod" and opts.get("device", True):
+    from specjax.drafters.ngram_mod_device import NgramModDevice
+    import numpy as np
+    width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
+    return NgramModDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
   if name == "draft":
     return make_draft_model_drafter(target, draft_model, draft_params, **opts)
   if name == "mtp":

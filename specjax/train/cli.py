@@ -3,6 +3,7 @@
   specjax train data --config configs/mtp_smollm2.yaml                 # resumable; progress bar
   specjax train mtp  --config configs/mtp_smollm2.yaml                 # resumes from checkpoints
   specjax train mtp  --config configs/mtp_smollm2.yaml --dtype bfloat16 --steps 4000   # on a GPU
+  specjax train eval-mtp --config configs/mtp_smollm2.yaml --n-max 1,2,3,4   # tau on MT-bench
   specjax generate --spec mtp --head assets/mtp_smollm2/mtp_head.safetensors --n-max 3 --chat "..."
 """
 
@@ -40,6 +41,26 @@ def cmd_mtp(args) -> int:
   return 0
 
 
+def cmd_eval(args) -> int:
+  import jax.numpy as jnp
+
+  from specjax.models.load import load_model
+  from specjax.train.mtp import evaluate_head, load_spec
+  spec = load_spec(args.config, **_overrides(args))
+  head = args.head or spec.export
+  target = load_model(spec.target, dtype=jnp.dtype(spec.dtype))
+  res = evaluate_head(target, head, prompt_set=args.prompts, per_category=args.per_category,
+                      n_max=tuple(int(x) for x in args.n_max.split(",")), max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, batch_size=args.batch_size, progress=not args.quiet)
+  res["config"] = args.config
+  if args.out:
+    from pathlib import Path
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out}")
+  return 0
+
+
 def add_train_commands(subparsers) -> None:
   t = subparsers.add_parser("train", help="build self-distillation data and train drafter heads")
   tsub = t.add_subparsers(dest="train_cmd", required=True)
@@ -64,3 +85,15 @@ def add_train_commands(subparsers) -> None:
   m.add_argument("--export", default=None, help="where to write the head (default: the config's)")
   m.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
   m.set_defaults(func=cmd_mtp)
+
+  e = tsub.add_parser("eval-mtp", help="tau and acceptance by position of a trained head (quick check)")
+  common(e)
+  e.add_argument("--head", default=None, help="head file (default: the config's export)")
+  e.add_argument("--prompts", default="mt_bench", help="prompt set (first turns)")
+  e.add_argument("--per-category", type=int, default=1, help="questions per category")
+  e.add_argument("--n-max", default="1,2,3,4", help="comma-separated draft lengths")
+  e.add_argument("--max-new-tokens", type=int, default=128)
+  e.add_argument("--temperature", type=float, default=0.0)
+  e.add_argument("--batch-size", type=int, default=None, help="prompts per call (default: all at once)")
+  e.add_argument("--out", default=None, help="write the result JSON here")
+  e.set_defaults(func=cmd_eval)

@@ -272,8 +272,11 @@ class ShardDataset:
                                  for s, r in (self._where[i] for i in idx)])
     return out
 
-  def batch(self, step: int, batch_size: int, seed: int = 0, with_taps: bool = True) -> dict[str, np.ndarray]:
-    """Batch number `step`: rows of epoch-wise permutations, a pure function of (step, seed)."""
+  def batch(self, step: int, batch_size: int, seed: int = 0, with_taps: bool = True,
+            max_len: int | None = None) -> dict[str, np.ndarray]:
+    """Batch number `step`: rows of epoch-wise permutations, a pure function of (step, seed).
+    With `max_len`, each row is a random window of that many tokens (the taps along it keep the
+    full left context they were computed with)."""
     n = len(self)
     first = step * batch_size
     idx = []
@@ -281,4 +284,20 @@ class ShardDataset:
       epoch, off = divmod(first + len(idx), n)
       perm = np.random.default_rng([seed, epoch]).permutation(n)
       idx.extend(perm[off:off + batch_size - len(idx)].tolist())
-    return self.rows(np.asarray(idx), with_taps=with_taps)
+    out = self.rows(np.asarray(idx), with_taps=with_taps)
+    if max_len is not None and max_len < self.width:
+      out = crop_rows(out, max_len, np.random.default_rng([seed, step, 1]))
+    return out
+
+
+def crop_rows(rows: dict[str, np.ndarray], max_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """A window of max_len tokens per row, starting uniformly in [0, len - max_len]."""
+  lens = rows["lens"]
+  start = (rng.random(len(lens)) * (np.maximum(lens - max_len, 0) + 1)).astype(np.int64)
+  take = start[:, None] + np.arange(max_len)[None, :]                                  # [B, max_len]
+  out = {"tokens": np.take_along_axis(rows["tokens"], take, axis=1),
+         "lens": np.minimum(lens - start, max_len).astype(np.int32),
+         "prompt_lens": np.clip(rows["prompt_lens"] - start, 0, max_len).astype(np.int32)}
+  if "prenorm" in rows:
+    out["prenorm"] = np.take_along_axis(rows["prenorm"], take[..., None], axis=1)
+  return out

@@ -38,6 +38,7 @@ from specjax.train.loop import TrainConfig
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
   n_heads: int = 1                   # distinct heads; drafting step j uses head min(j, n_heads - 1)
+  init: str = "identity"             # "identity": starts as the identity on h (see init_heads); "random"
   block_from_layer: int | None = None   # start each head's block as a copy of this target layer
 
 
@@ -48,6 +49,7 @@ class LossConfig:
   loss: str = "kl"                   # kl: soft cross-entropy to the target's distribution; ce: data tokens
   train_on_prompt: bool = False      # also predict prompt tokens
   batch_size: int = 8
+  max_len: int | None = None         # train on random windows of this many tokens of each row
   positions_per_row: int | None = None   # LM head (and loss) at this many random positions per row
   recompute_taps: bool = False       # run the frozen target in the step even if the data has taps
 
@@ -160,7 +162,8 @@ def make_loss_fn(cfg: ModelConfig, lc: LossConfig, n_heads: int, compute_dtype):
     n = jnp.maximum(jnp.sum(valid), 1)
     return jnp.sum(jnp.where(valid, nll, 0.0)) / n, jnp.sum(hit) / n
 
-  step_loss = jax.checkpoint(step_loss)     # keep no [B, L, V] logits alive for the backward pass
+  if not lc.positions_per_row:
+    step_loss = jax.checkpoint(step_loss)   # keep no [B, L, V] logits alive for the backward pass
 
   def loss_fn(heads, tparams, batch, rng):
     tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
@@ -226,15 +229,16 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
     raise ValueError(f"dataset {spec.data.dir} was built for d_model {ds.info['identity']['d_model']}, "
                      f"target has {cfg.d_model}")
   use_taps = ds.has_taps and not spec.loss.recompute_taps
-  heads = init_heads(cfg, spec.head.n_heads, seed=spec.train.seed, dtype=jnp.float32,
+  heads = init_heads(cfg, spec.head.n_heads, seed=spec.train.seed, dtype=jnp.float32, init=spec.head.init,
                      target_params=target.params, block_from_layer=spec.head.block_from_layer)
   loss_fn = make_loss_fn(cfg, spec.loss, spec.head.n_heads, jnp.dtype(spec.dtype))
   bs = spec.loss.batch_size
-  get_batch = lambda step: ds.batch(step, bs, seed=spec.train.seed, with_taps=use_taps)
+  get_batch = lambda step: ds.batch(step, bs, seed=spec.train.seed, with_taps=use_taps, max_len=spec.loss.max_len)
   if progress:
     print(f"[train mtp] {len(ds)} rows, {ds.n_response_tokens} response tokens, taps "
           f"{'stored' if use_taps else 'recomputed'}; {spec.head.n_heads} head(s) of {_tree_size(heads) / 1e6:.2f}M "
-          f"params; {spec.train.steps} steps of {bs} x {ds.width} tokens ({spec.dtype})", flush=True)
+          f"params; {spec.train.steps} steps of {bs} x {min(spec.loss.max_len or ds.width, ds.width)} tokens "
+          f"({spec.dtype})", flush=True)
   res = train(loss_fn, heads, target.params, get_batch, spec.train, spec.out_dir, resume=resume,
               progress=progress, stop_at=stop_at)
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
@@ -249,3 +253,81 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
   Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
   (Path(spec.out_dir) / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
   return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# a quick acceptance check of a trained head
+
+
+def evaluate_head(target, head, *, prompt_set: str = "mt_bench", per_category: int = 1, n_max=(1, 2, 3, 4),
+                  max_new_tokens: int = 128, temperature: float = 0.0, batch_size: int | None = None,
+                  seed: int = 0, progress: bool = True) -> dict:
+  """tau (tokens per verification round) and acceptance by draft position of a head on the first
+  turns of `per_category` questions of each category of `prompt_set`, for each n_max; plus
+  tokens/s against plain decoding of the same batch and whether the outputs equal plain decoding's
+  (greedy). Every configuration runs once untimed first (compilation)."""
+  from specjax.bench.env import device_info, git_revision
+  from specjax.bench.prompts import load_prompt_set
+  from specjax.decode import generate_plain
+  from specjax.drafters.base import DraftParams
+  from specjax.drafters.mtp import make_mtp_drafter
+  from specjax.engine import speculative_generate
+  from specjax.sampling import SamplingParams
+
+  questions, per = [], {}
+  for q in load_prompt_set(prompt_set):
+    if per.get(q.category, 0) < per_category:
+      per[q.category] = per.get(q.category, 0) + 1
+      questions.append(q)
+  tok = target.tokenizer
+  prompts = [tok.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+  b = batch_size or len(prompts)
+  stop = tuple(tok.eos_ids)
+  cap = 64 * -(-(max(len(p) for p in prompts) + max_new_tokens + max(n_max) + 2) // 64)
+
+  def run(fn, chunk):
+    fn(chunk)                                   # compile / warm up
+    return fn(chunk)
+
+  def batches():
+    return [prompts[i:i + b] for i in range(0, len(prompts), b)]
+
+  def sampling(n):
+    return SamplingParams.make(n, temperature=temperature, seed=seed)
+
+  plain_tokens, plain_s = [], 0.0
+  for chunk in batches():
+    r = run(lambda c: generate_plain(target.params, target.cfg, c, max_new_tokens=max_new_tokens,
+                                     sampling=sampling(len(c)), stop_ids=stop, capacity=cap), chunk)
+    plain_tokens += r.tokens
+    plain_s += r.seconds
+  n_plain = sum(len(t) for t in plain_tokens)
+  results = []
+  for nm in n_max:
+    dp = DraftParams(n_max=nm)
+    drafter = make_mtp_drafter(target, head, dp)
+    toks, secs, rounds, emitted, drafted, accepted = [], 0.0, 0, 0, np.zeros(nm), np.zeros(nm)
+    for chunk in batches():
+      r = run(lambda c: speculative_generate(target.params, target.cfg, c, drafter, max_new_tokens=max_new_tokens,
+                                             sampling=sampling(len(c)), draft_params=dp, stop_ids=stop,
+                                             capacity=cap), chunk)
+      toks += r.tokens
+      secs += r.seconds
+      rounds += r.stats.rounds
+      emitted += r.stats.emitted
+      drafted += np.asarray(r.stats.drafted_by_pos[:nm])
+      accepted += np.asarray(r.stats.accepted_by_pos[:nm])
+    n_tok = sum(len(t) for t in toks)
+    row = {"n_max": nm, "tau": emitted / max(rounds, 1), "rounds": rounds, "tokens": n_tok,
+           "acceptance_by_pos": (accepted / np.maximum(drafted, 1)).round(4).tolist(),
+           "tokens_per_s": n_tok / secs, "speedup": (n_tok / secs) / (n_plain / plain_s),
+           "equal_to_plain": sum(a == p for a, p in zip(toks, plain_tokens)) / len(toks)}
+    results.append(row)
+    if progress:
+      print(f"[eval mtp] n_max={nm}: tau {row['tau']:.3f}, acceptance by position {row['acceptance_by_pos']}, "
+            f"{row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x plain), equal {row['equal_to_plain']:.2f}",
+            flush=True)
+  return {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
+          "categories": [q.category for q in questions], "max_new_tokens": max_new_tokens,
+          "temperature": temperature, "batch_size": b, "plain_tokens_per_s": n_plain / plain_s,
+          "results": results, "head": str(head), "git_revision": git_revision(), "device": device_info()}

@@ -1,0 +1,390 @@
+"""The hybrid family: attention layers interleaved with gated-DeltaNet recurrent layers (Qwen3.5).
+
+Qwen3.5's text model (transformers `Qwen3_5ForCausalLM`, model_type "qwen3_5_text"; the text part
+of the "qwen3_5" multimodal checkpoints) stacks pre-norm blocks whose token mixer is either
+- "linear": a gated DeltaNet (`specjax.models.gated_deltanet`), state = conv + recurrent matrix, or
+- "full": gated attention: q_proj emits a query and a sigmoid output gate per head, QK-norm,
+  partial rotary embedding (the first `rotary_dim` dims of each head), KV cache,
+followed by a gated MLP. RMSNorms are Gemma-style (1 + w), except the DeltaNet's gated norm.
+
+`hybrid_forward` is the pure function the engine jits, the counterpart of
+`specjax.models.decoder.forward` over a `HybridState` (KV cache + recurrent states). T new tokens:
+T = 1 runs the recurrent form of the DeltaNet, T > 1 (prefill, K+1-token verification) the chunked
+form; both give the same result. With `return_per_step=True` it also returns the state after every
+position (the `per_step` rollback); `rollback_redecode` is the other rollback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.decoder import attention_masks, params_dtype
+from specjax.models.gated_deltanet import GatedDeltaNet
+from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
+from specjax.recurrent_state import HybridState, rollback_per_step, select_rows   # noqa: F401 (re-export)
+from specjax.state import check_capacity
+
+HYBRID_ARCHS = ("qwen3_5",)
+HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+  arch: str                       # "qwen3_5"
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  layer_types: tuple[str, ...]    # "linear" | "full", one per layer
+  n_heads: int                    # attention layers
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  lin_k_heads: int                # gated DeltaNet: query/key heads
+  lin_v_heads: int                # value heads (a multiple of lin_k_heads)
+  lin_k_dim: int
+  lin_v_dim: int
+  conv_kernel: int = 4
+  rope_theta: float = 10_000_000.0
+  rotary_dim: int | None = None   # rotated dims per head (partial rotary); default head_dim
+  norm_eps: float = 1e-6
+  attn_bias: bool = False
+  tie_embeddings: bool = False
+  activation: str = "silu"
+  chunk_size: int = 64            # chunk of the parallel DeltaNet form (prefill)
+  bos_id: int | None = None
+  eos_id: int | None = None
+  sliding_window: None = None     # no sliding layers (read by `decoder.attention_masks`)
+
+  def __post_init__(self):
+    if self.arch not in HYBRID_ARCHS:
+      raise ValueError(f"unknown hybrid arch {self.arch!r}; specjax runs {HYBRID_ARCHS}")
+    if len(self.layer_types) != self.n_layers or set(self.layer_types) - {"linear", "full"}:
+      raise ValueError(f"layer_types must be {self.n_layers} of 'linear' / 'full', got {self.layer_types}")
+    if self.n_heads % self.n_kv_heads or self.lin_v_heads % self.lin_k_heads:
+      raise ValueError("attention heads / DeltaNet value heads must be multiples of their KV / key heads")
+    if self.rotary_dim is None:
+      object.__setattr__(self, "rotary_dim", self.head_dim)
+    if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+      raise ValueError(f"rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
+
+  @property
+  def scale(self) -> float:
+    return self.head_dim ** -0.5
+
+  @property
+  def attn_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "full")
+
+  @property
+  def linear_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "linear")
+
+  @property
+  def conv_dim(self) -> int:
+    return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+  def replace(self, **kw) -> "HybridConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def is_hybrid_hf_config(hf: Mapping[str, Any]) -> bool:
+  return hf.get("model_type") in HF_MODEL_TYPES
+
+
+def hybrid_config_from_hf(hf: Mapping[str, Any]) -> HybridConfig:
+  """HybridConfig from an HF `config.json` dict ("qwen3_5_text", or "qwen3_5" with a text_config)."""
+  top = hf
+  if hf.get("model_type") == "qwen3_5" and "text_config" in hf:
+    hf = {**hf["text_config"]}
+  elif hf.get("model_type") not in HF_MODEL_TYPES:
+    raise ValueError(f"model_type {hf.get('model_type')!r} is not a hybrid specjax runs {HF_MODEL_TYPES}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not supported (Qwen3.5 uses silu)")
+  rope_p = hf.get("rope_parameters") or {}
+  if rope_p.get("rope_type", "default") != "default":
+    raise NotImplementedError(f"rope type {rope_p['rope_type']!r} is not supported yet")
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+  factor = float(rope_p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+  n_layers = hf["num_hidden_layers"]
+  types = hf.get("layer_types") or ["linear_attention" if (i + 1) % hf.get("full_attention_interval", 4)
+                                    else "full_attention" for i in range(n_layers)]
+  tie = hf.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+  eos = hf.get("eos_token_id", top.get("eos_token_id"))
+  return HybridConfig(
+      arch="qwen3_5", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
+      layer_types=tuple("linear" if t == "linear_attention" else "full" for t in types[:n_layers]),
+      n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+      head_dim=head_dim, ffn_dim=hf["intermediate_size"],
+      lin_k_heads=hf["linear_num_key_heads"], lin_v_heads=hf["linear_num_value_heads"],
+      lin_k_dim=hf["linear_key_head_dim"], lin_v_dim=hf["linear_value_head_dim"],
+      conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+      rope_theta=float(rope_p.get("rope_theta", hf.get("rope_theta", 10_000_000.0))),
+      rotary_dim=int(head_dim * factor) // 2 * 2, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      attn_bias=bool(hf.get("attention_bias", False)), tie_embeddings=bool(tie),
+      bos_id=hf.get("bos_token_id", top.get("bos_token_id")), eos_id=eos[0] if isinstance(eos, (list, tuple)) else eos)
+
+
+# ----------------------------------------------------------------------------------------------
+# modules
+
+
+class GatedAttention(nnx.Module):
+  """Qwen3.5 `self_attn`: per-head query and output gate from one projection, QK-norm (1 + w),
+  partial rotary embedding, sigmoid-gated output."""
+
+  def __init__(self, cfg: HybridConfig, *, dtype, rngs: nnx.Rngs):
+    h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # [HF q_proj (per head: query | gate) | k_proj | v_proj] as one GEMM.
+    self.qkv_proj = Linear(cfg.d_model, (2 * h + 2 * kvh) * d, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
+    self.q_norm = RMSNorm(d, cfg.norm_eps, offset=True, dtype=dtype)
+    self.k_norm = RMSNorm(d, cfg.norm_eps, offset=True, dtype=dtype)
+    self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, d
+    self.rotary_dim, self.theta, self.scale = cfg.rotary_dim, cfg.rope_theta, cfg.scale
+
+  def _rope(self, x, positions):
+    rd = self.rotary_dim
+    return jnp.concatenate([rope(x[..., :rd], positions, self.theta), x[..., rd:]], axis=-1)
+
+  def __call__(self, x, positions, write_kv, mask):
+    """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S]."""
+    b, t, _ = x.shape
+    h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
+    qkv = self.qkv_proj(x)                                                        # [B, T, (2H+2KVH)*D]
+    qg = qkv[..., :2 * h * d].reshape(b, t, h, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]                                            # [B, T, H, D] each
+    k = qkv[..., 2 * h * d:(2 * h + kvh) * d].reshape(b, t, kvh, d)               # [B, T, KVH, D]
+    v = qkv[..., (2 * h + kvh) * d:].reshape(b, t, kvh, d)
+    q, k = self._rope(self.q_norm(q), positions), self._rope(self.k_norm(k), positions)
+    k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
+    out = attend(q, k_all, v_all, mask, self.scale) * jax.nn.sigmoid(gate)        # [B, T, H, D]
+    return self.o_proj(out.reshape(b, t, h * d)), (k_all, v_all)
+
+
+class HybridBlock(nnx.Module):
+  def __init__(self, cfg: HybridConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    self.linear = cfg.layer_types[layer] == "linear"
+    self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True, dtype=dtype)
+    if self.linear:
+      self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+    else:
+      self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True, dtype=dtype)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+  def ffn(self, x):
+    """The MLP half: x + mlp(norm(x)), x [B, T, d_model] being the stream after the token mixer."""
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridLM(nnx.Module):
+  def __init__(self, cfg: HybridConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([HybridBlock(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.n_layers)])
+    self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True, dtype=dtype)
+    self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Final norm + LM head. h [B, T, d_model] (pre-norm) -> [B, T, V] float32."""
+    h = self.norm(h)
+    w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...].T
+    return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef_of(cfg: HybridConfig, dtype_name: str):
+  abstract = nnx.eval_shape(lambda: HybridLM(cfg, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  return graphdef
+
+
+def init_params(cfg: HybridConfig, seed: int = 0, dtype=jnp.float32):
+  """Random parameters (an nnx.State pytree) of `cfg`."""
+  _, params = nnx.split(HybridLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+  return params
+
+
+def model_of(params, cfg: HybridConfig) -> HybridLM:
+  return nnx.merge(graphdef_of(cfg, params_dtype(params)), params)
+
+
+# ----------------------------------------------------------------------------------------------
+# the forward pass
+
+
+def _run_layers(model: HybridLM, cfg: HybridConfig, tokens, state: HybridState, positions, n_new, *,
+                mode: str, per_step: bool, taps: Sequence[int] = (), n_layers: int | None = None):
+  """Embed and run the first `n_layers` blocks. Returns (hidden [B, T, d], tapped, k, v, conv, rec, steps)."""
+  masks = attention_masks(cfg, state.lengths, positions, state.capacity)
+  x = model.embed_tokens(tokens).astype(jnp.float32)                              # [B, T, d_model]
+  ks, vs, conv, rec, c_steps, r_steps, tapped = [], [], [], [], [], [], []
+  for i, block in enumerate(model.layers[:n_layers]):
+    h = block.input_layernorm(x)
+    if block.linear:
+      j = len(conv)
+      out, (c, r), steps = block.linear_attn(h, state.conv[j], state.rec[j], n_new, mode=mode, per_step=per_step)
+      conv.append(c)
+      rec.append(r)
+      if per_step:
+        c_steps.append(steps[0])
+        r_steps.append(steps[1])
+    else:
+      out, (k, v) = block.self_attn(h, positions, functools.partial(state.kv.write, len(ks)), masks["full"])
+      ks.append(k)
+      vs.append(v)
+    x = block.ffn(x + out)
+    if i in taps:
+      tapped.append(x)
+  return x, tuple(tapped), ks, vs, conv, rec, (c_steps, r_steps)
+
+
+def hybrid_forward(params, cfg: HybridConfig, tokens, state: HybridState, *, n_new=None, positions=None,
+                   return_per_step: bool = False, taps: Sequence[int] = (), last_only: bool = False,
+                   mode: str = "auto"):
+  """Run T new tokens per sequence through the hybrid target.
+
+  tokens [B, T] int; state.lengths [B]; n_new [B] valid new tokens (default T; padding after them
+  is written to the KV cache but not committed, and leaves the recurrent state unchanged);
+  positions [B, T] (default lengths + arange(T)); taps: layer indices whose outputs are returned;
+  mode "auto" (T = 1: recurrent form, else chunked) | "recurrent" | "chunked".
+
+  Returns (logits [B, T, V] float32 (or [B, 1, V] at the last valid token if last_only),
+           {"prenorm": [B, T, d_model], "layers": tuple of [B, T, d_model]},
+           the state after the n_new tokens (lengths += n_new),
+           and with return_per_step the state after every position: a HybridState with the new KV
+           cache and recurrent leaves [B, T, ...] for `rollback_per_step`).
+  """
+  b, t = tokens.shape
+  check_capacity(state.lengths, t, state.capacity)
+  if positions is None:
+    positions = state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  n_new = jnp.full((b,), t, jnp.int32) if n_new is None else jnp.asarray(n_new, jnp.int32)
+  if mode == "auto":
+    mode = "recurrent" if t == 1 else "chunked"
+  model = model_of(params, cfg)
+  x, tapped, ks, vs, conv, rec, (c_steps, r_steps) = _run_layers(
+      model, cfg, tokens, state, positions, n_new, mode=mode, per_step=return_per_step, taps=tuple(taps))
+  prenorm = x
+  if last_only:
+    x = jnp.take_along_axis(x, (n_new - 1)[:, None, None], axis=1)                # [B, 1, d_model]
+  kv = dataclasses.replace(state.kv, k=tuple(ks), v=tuple(vs), lengths=state.lengths + n_new)
+  new_state = HybridState(kv=kv, conv=tuple(conv), rec=tuple(rec))
+  out = (model.logits(x), {"prenorm": prenorm, "layers": tapped}, new_state)
+  if return_per_step:
+    out = out + (HybridState(kv=kv, conv=tuple(c_steps), rec=tuple(r_steps)),)
+  return out
+
+
+def rollback_redecode(params, cfg: HybridConfig, state_before: HybridState, state_after: HybridState,
+                      tokens, n_keep) -> HybridState:
+  """The state after the first n_keep [B] of the T verified `tokens` [B, T], llama.cpp's way.
+
+  state_before: the state verification started from (only its recurrent leaves are read: the
+  checkpoint); state_after: what verification returned. Rows that accepted all T tokens take
+  state_after; rows with 0 < n_keep < T re-run their accepted tokens from the checkpoint (one
+  pass for the batch, only when some row needs it, only through the last recurrent layer); rows
+  with n_keep = 0 keep the checkpoint. The KV cache is state_after's, cut to the accepted length.
+  """
+  t = tokens.shape[1]
+  lengths = state_before.lengths
+  kv = state_after.kv.with_lengths(lengths + n_keep)
+  partial = (n_keep > 0) & (n_keep < t)
+
+  def rerun():
+    # Attention layers below the last recurrent layer need the committed K/V: after verification
+    # they are in state_after's cache at slots < lengths (the verified tokens are rewritten).
+    start = HybridState(kv=state_after.kv.with_lengths(lengths), conv=state_before.conv, rec=state_before.rec)
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    model = model_of(params, cfg)
+    *_, conv, rec, _ = _run_layers(model, cfg, tokens, start, positions, n_keep, mode="chunked" if t > 1 else "recurrent",
+                                   per_step=False, n_layers=cfg.linear_layers[-1] + 1)
+    return tuple(conv), tuple(rec)
+
+  keep_old = lambda: (state_before.conv, state_before.rec)
+  conv, rec = jax.lax.cond(jnp.any(partial), rerun, keep_old)
+  redone = HybridState(kv=kv, conv=conv, rec=rec)
+  after = HybridState(kv=kv, conv=state_after.conv, rec=state_after.rec)
+  return select_rows(n_keep >= t, after, redone)
+
+
+def logits_from_prenorm(params, cfg: HybridConfig, h):
+  """Target's final norm + LM head applied to pre-norm hidden states h [B, T, d_model]."""
+  return model_of(params, cfg).logits(h)
+
+
+def embed_tokens(params, cfg: HybridConfig, tokens):
+  return model_of(params, cfg).embed_tokens(tokens).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading HF safetensors
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+IGNORED_PREFIXES = ("mtp.", "model.visual.")   # Qwen3.5 MTP head and vision tower: not part of the text LM
+
+
+def _hf_tensor_names(parts: list[str]) -> tuple[list[str], str]:
+  """Our parameter path -> (HF tensor names concatenated on the output axis, how to transform):
+  "T" transpose ([out, in] -> [in, out]), "conv" squeeze [C, 1, K] -> [C, K], "" as is."""
+  if parts == ["embed_tokens", "embedding"]:
+    return ["model.embed_tokens.weight"], ""
+  if parts == ["lm_head", "kernel"]:
+    return ["lm_head.weight"], "T"
+  leaf, parent = parts[-1], parts[:-1]
+  if leaf in ("A_log", "dt_bias"):
+    return ["model." + ".".join(parts)], ""
+  if leaf == "conv1d":
+    return ["model." + ".".join(parts) + ".weight"], "conv"
+  hf_leaf = "bias" if leaf == "bias" else "weight"
+  mods = [parent[:-1] + [p] for p in FUSED[parent[-1]]] if parent[-1] in FUSED else [parent]
+  return ["model." + ".".join(m + [hf_leaf]) for m in mods], ("T" if leaf == "kernel" else "")
+
+
+def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
+  """Parameters of `cfg` from HF-named tensors; missing / misshapen / unplaced tensors are errors."""
+  abstract = nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(abstract)
+  used = set()
+
+  def fill(path, leaf):
+    parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    names, how = _hf_tensor_names(parts)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+      raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(parts)})")
+    arr = np.concatenate([np.asarray(tensors[n]) for n in names], axis=0)
+    arr = arr.T if how == "T" else arr.reshape(arr.shape[0], -1) if how == "conv" else arr
+    if arr.shape != leaf.shape:
+      raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")
+    used.update(names)
+    return jnp.asarray(arr, dtype=dtype)
+
+  filled = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state))
+  if cfg.tie_embeddings:
+    used.add("lm_head.weight")
+  unused = sorted(n for n in tensors if n not in used and n.startswith(("model.", "lm_head."))
+                  and not n.startswith(IGNORED_PREFIXES) and "rotary_emb" not in n)
+  if unused:
+    raise ValueError(f"checkpoint tensors this hybrid config has no place for: {unused[:8]}"
+                     f"{' ...' if len(unused) > 8 else ''}")
+  nnx.replace_by_pure_dict(state, filled)
+  return state
+
+
+def load_hybrid(path: str | Path, dtype=jnp.float32):
+  """An HF hybrid checkpoint directory (config.json + *.safetensors) -> LoadedModel."""
+  from specjax.io.safetensors import load_safetensors_dir
+  from specjax.models.load import LoadedModel
+  hf, tensors = load_safetensors_dir(path)
+  cfg = hybrid_config_from_hf(hf)
+  return LoadedModel(name=Path(path).name, cfg=cfg, params=params_from_hf(cfg, tensors, dtype=dtype), source=str(path))
