@@ -250,7 +250,9 @@ def load_tune_config(path: str | Path, **overrides) -> TuneConfig:
     raise ConfigError(f"{path}: not valid YAML: {e}") from e
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: expected a mapping")
-  data = {**data, "tune": dict(data.get("tune") or {})}
+  if "tune" not in data:
+    raise ConfigError(f"{path.name}: missing the 'tune' section (a tune config is a bench config plus `tune:`)")
+  data = {**data, "tune": dict(data["tune"] or {})}
   ov = {k: v for k, v in overrides.items() if v is not None}
   for k in _TUNE_OVERRIDES:
     if k in ov:
@@ -778,7 +780,7 @@ def best_config(report: dict, holdout_prompts: str | None = None) -> dict:
   return _plain(cfg)
 
 
-def trials_markdown(report: dict, holdout_json: str | Path | None = None) -> str:
+def trials_markdown(report: dict) -> str:
   m = report["metric"]
   lines = [f"# spec-tune: {report['experiment']}", "",
            f"- strategy **{report['strategy']}**, seed {report['seed']}, budget {report['budget']}, "
@@ -791,14 +793,13 @@ def trials_markdown(report: dict, holdout_json: str | Path | None = None) -> str
            f"- **best: trial {report['best']}** `{report['trials'][report['best']]['label']}` "
            f"({m} {_fmt(report['trials'][report['best']]['metric'], '.3f')})",
            f"- default: `{report['default']['label']}`", ""]
-  hs = report["holdout"]["summary"]
+  hs = _holdout_overall(report)
   lines += ["## Held-out questions (never seen by the search)", "",
             "| method | config | prompts | tau | acceptance | tok/s | speedup | equal |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
   labels = {report["default"]["name"]: report["default"]["label"],
             report["best_method"]["name"]: report["trials"][report["best"]]["label"], "plain": "-"}
-  for name, s in hs.items():
-    o = s["overall"]
+  for name, o in hs.items():
     lines.append(f"| {name} | `{labels.get(name, '')}` | {o['prompts']} | {_fmt(o['tau'], '.3f')} | "
                  f"{_fmt(o['acceptance_rate'], '.3f')} | {_fmt(o['tokens_per_s'], '.1f')} | "
                  f"{_fmt(o['speedup'], '.3f')} | {_fmt(o['equal'], '.2f')} |")
@@ -819,11 +820,20 @@ def _arm(r: dict) -> str:
   return f"chain_{r['method']['policy']}" if r["chain"] else r["speculator"]
 
 
-def plot_tune(report: dict, out_png: str | Path) -> Path:
-  """Three panels: the metric of every trial in search order (colour: speculator, size: questions,
-  line: best so far at the top rung), the metric against n_max, and the held-out comparison."""
+def _holdout_overall(report: dict) -> dict:
+  if "holdout" in report:
+    return {n: s["overall"] for n, s in report["holdout"]["summary"].items()}
+  return report["holdout_summary"]
+
+
+def plot_tune(report: dict, out_png: str | Path | None = None):
+  """Three panels: every trial's metric at each rung it reached (bigger = more questions; black:
+  best so far among trials on all tuning questions), the first rung's metric (every trial on the
+  same questions) against n_max, and plain / default / tuned on the held-out questions. Saves to
+  `out_png` and returns its path, or returns the figure when `out_png` is None."""
   import matplotlib
-  matplotlib.use("Agg")
+  if out_png is not None:
+    matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   m = report["metric"]
@@ -834,9 +844,13 @@ def plot_tune(report: dict, out_png: str | Path) -> Path:
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
   ax = axes[0]
   for a in arms:
-    rs = [r for r in trials if _arm(r) == a]
-    ax.scatter([r["index"] for r in rs], [r["metric"] for r in rs], s=[20 + 80 * r["n_questions"] / top for r in rs],
-               color=colors[a], label=a, alpha=0.8)
+    first = True
+    for r in (r for r in trials if _arm(r) == a):
+      ys = [g[m] for g in r["rungs"]]
+      ax.plot([r["index"]] * len(ys), ys, color=colors[a], lw=0.8, alpha=0.6)
+      ax.scatter([r["index"]] * len(ys), ys, s=[15 + 85 * g["n_questions"] / top for g in r["rungs"]],
+                 color=colors[a], alpha=0.85, label=a if first else None)
+      first = False
   best_so_far, xs, ys = -math.inf, [], []
   for r in sorted(trials, key=lambda r: r["index"]):
     if r["n_questions"] == top and r["metric"] is not None:
@@ -844,40 +858,54 @@ def plot_tune(report: dict, out_png: str | Path) -> Path:
       xs.append(r["index"])
       ys.append(best_so_far)
   if xs:
-    ax.step(xs, ys, where="post", color="k", lw=1, label="best so far (all questions)")
+    ax.step(xs + [max(r["index"] for r in trials)], ys + ys[-1:], where="post", color="k", lw=1,
+            label=f"best so far ({top} questions)")
   if report.get("plain") and m != "speedup":
-    ax.axhline(report["plain"][m], color="gray", ls="--", lw=0.8, label="plain")
+    ax.axhline(report["plain"][m], color="gray", ls="--", lw=0.8, label="plain (all tuning questions)")
   if m == "speedup":
     ax.axhline(1.0, color="gray", ls="--", lw=0.8)
   b = report["trials"][report["best"]]
-  ax.scatter([b["index"]], [b["metric"]], marker="*", s=260, color="gold", edgecolor="k", zorder=5, label="best")
-  ax.set(title=f"trials ({report['strategy']}, seed {report['seed']})", xlabel="trial", ylabel=m)
+  ax.scatter([b["index"]], [b["metric"]], marker="*", s=280, color="gold", edgecolor="k", zorder=5, label="best")
+  ax.set(title=f"trials ({report['strategy']}, seed {report['seed']}; rungs {report['rungs']} questions)",
+         xlabel="trial", ylabel=m)
   ax.legend(fontsize=7)
   ax = axes[1]
+  n0 = min(r["rungs"][0]["n_questions"] for r in trials) if trials else 0
   for a in arms:
-    rs = [r for r in trials if _arm(r) == a and r["n_questions"] == top]
-    ax.scatter([r["method"]["draft_params"]["n_max"] for r in rs], [r["metric"] for r in rs], color=colors[a],
-               label=a, alpha=0.8)
+    rs = [r for r in trials if _arm(r) == a and r["rungs"][0]["n_questions"] == n0]
+    ax.scatter([r["method"]["draft_params"]["n_max"] for r in rs], [r["rungs"][0][m] for r in rs],
+               color=colors[a], label=a, alpha=0.85)
   ax.set_xscale("log", base=2)
-  ax.set(title=f"{m} vs n_max (trials on all {top} tuning questions)", xlabel="n_max", ylabel=m)
+  ax.set(title=f"{m} vs n_max (first rung: every trial on the same {n0} questions)", xlabel="n_max", ylabel=m)
   ax = axes[2]
-  hs = report["holdout"]["summary"]
+  hs = _holdout_overall(report)
   names = list(hs)
-  vals = [hs[n]["overall"]["tokens_per_s"] for n in names]
-  bars = ax.bar(names, vals, color=["gray", "tab:blue", "tab:orange"][:len(names)])
+  bars = ax.bar(names, [hs[n]["tokens_per_s"] for n in names], color=["gray", "tab:blue", "tab:orange"][:len(names)])
   for bar_, n in zip(bars, names):
-    sp = hs[n]["overall"]["speedup"]
+    sp = hs[n]["speedup"]
     ax.annotate(f"{bar_.get_height():.1f}" + (f"\n{sp:.2f}x" if sp is not None else ""),
                 (bar_.get_x() + bar_.get_width() / 2, bar_.get_height()), ha="center", va="bottom", fontsize=8)
-  ax.set(title=f"held-out ({len(report['holdout_questions'])} questions)", ylabel="tokens/s")
+  ax.set(title=f"held-out ({len(report['holdout_questions'])} questions the search never saw)", ylabel="tokens/s")
+  ax.margins(y=0.15)
   dev = report.get("device", {}).get("device_kind", "")
   fig.suptitle(f"spec-tune {report['experiment']} — {report['config']['target']} on {dev} "
                f"@ {report['git_revision'][:10]}")
   fig.tight_layout()
+  if out_png is None:
+    return fig
   out_png = Path(out_png)
   fig.savefig(out_png, dpi=110)
   plt.close(fig)
   return out_png
+
+
+def load_tune_run(out_dir: str | Path) -> dict:
+  """A run written by `write_outputs`: trials.json with the full held-out result under "holdout"."""
+  out = Path(out_dir)
+  report = json.loads((out / "trials.json").read_text())
+  if (out / "holdout.json").exists():
+    report["holdout"] = json.loads((out / "holdout.json").read_text())
+  return report
 
 
 def write_outputs(report: dict, out_dir: str | Path) -> dict[str, Path]:
@@ -934,14 +962,35 @@ class ByteTokenizer:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", "replace")
 
 
-def tiny_target(seed: int = 0, d_model: int = 64, n_layers: int = 2):
+def tiny_target(seed: int = 2, d_model: int = 64, n_layers: int = 2):
   """A tiny llama with random weights and a byte tokenizer (a `LoadedModel`): generation and
-  compilation take seconds on a CPU, and its greedy answers loop, so n-gram drafters accept."""
+  compilation take seconds on a CPU. Weights are drawn so that logits are O(1) and well separated
+  (embeddings N(0, 1), kernels N(0, 1/d_in), norms near 1): greedy answers soon fall into loops,
+  which n-gram drafters pick up, a stand-in for the repetition of real answers."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
   from specjax.models.config import ModelConfig
-  from specjax.models.decoder import init_params
+  from specjax.models.decoder import Transformer
   from specjax.models.load import LoadedModel
   cfg = ModelConfig(arch="llama", vocab_size=ByteTokenizer.vocab_size, d_model=d_model, n_layers=n_layers,
                     n_heads=4, n_kv_heads=2, head_dim=d_model // 4, ffn_dim=2 * d_model, rope_theta=10000.0,
                     norm_eps=1e-6)
-  return LoadedModel(name="tiny-random", cfg=cfg, params=init_params(cfg, seed=seed), tokenizer=ByteTokenizer(),
-                     source="random")
+  _, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    last = str(getattr(path[-1], "key", getattr(path[-1], "idx", path[-1])))
+    if last == "embedding":
+      x = rng.standard_normal(leaf.shape)
+    elif last == "kernel":
+      x = rng.standard_normal(leaf.shape) * leaf.shape[0] ** -0.5
+    elif last == "bias":
+      x = 0.1 * rng.standard_normal(leaf.shape)
+    else:                                          # norm weights
+      x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
+    return jnp.asarray(x, jnp.float32)
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state)))
+  return LoadedModel(name="tiny-random", cfg=cfg, params=state, tokenizer=ByteTokenizer(), source="random")
