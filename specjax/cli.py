@@ -86,7 +86,9 @@ def main(argv=None) -> int:
   g.set_defaults(func=cmd_generate)
 
   from specjax.bench.cli import add_bench_commands
+  from specjax.bench.tune_cli import add_tune_commands
   add_bench_commands(sub)
+  add_tune_commands(sub)
   try:
     from specjax.train.cli import add_train_commands
   except ImportError:   # training commands arrive with specjax/train
