@@ -23,4 +23,4 @@ demo: setup
 
 test: setup-test
 	$(BIN)/specjax fetch smollm2-135m-instruct
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} $(BIN)/python -m pytest -q --durations=15 tests
