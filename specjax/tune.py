@@ -27,8 +27,9 @@ How it runs (`run_tune`):
    held-out questions.
 2. Candidates are drawn from the space with `numpy.random.default_rng(seed)` (so the sequence of
    candidates depends on the seed and the space only, never on timings): a speculator or a chain
-   uniformly, then every option uniformly from its choices. Duplicates are drawn again; `n_max` is
-   capped at the speculator's longest draft and `n_min` at `n_max`. Trial 0 is the default.
+   (uniformly, or by `arm_weights`), then every option uniformly from its choices. Duplicates are
+   drawn again; `n_max` is capped at the speculator's longest draft and `n_min` at `n_max`. Trial 0
+   is the default.
 3. `random`: every candidate runs on all tuning questions. `halving` (successive halving): all
    candidates run on a few questions, the best 1/eta go on to eta times as many (only the new
    questions run; the metric covers all of them), until one rung covers every tuning question.
@@ -38,6 +39,12 @@ How it runs (`run_tune`):
 5. The best trial is the one with the highest metric among those evaluated on the most questions.
    Plain decoding, the default and the best run on the held-out questions in the same process:
    `holdout.json` is a harness result (`specjax report`, `plot_result` read it).
+
+Cost: every new speculator configuration compiles its programs (SmolLM2-135M on an H200: 20-25 s
+a trial, against about 1 s of timed generation on 3 two-turn MT-bench questions), so budget
+~30 s a trial on a GPU. When compilation dominates like this, `random` over all tuning questions
+costs little more than halving's first rung and measures with less noise; halving pays off when
+generation dominates (long answers, many questions, configurations that share programs).
 
 Timings exclude compilation: each trial warms every new input shape up with a two-token
 generation (which compiles the same programs as a full one) before its timed runs. Unlike the
@@ -107,6 +114,7 @@ class TuneSettings:
   budget: BudgetConfig = BudgetConfig()
   holdout_fraction: float = 0.5                   # questions held out of the search, per category
   include_default: bool = True                    # trial 0 is the default method
+  arm_weights: dict = dataclasses.field(default_factory=dict)   # speculator (or "chain") -> draw weight, default 1
   speculators: dict = dataclasses.field(default_factory=lambda: {
       "ngram_simple": {"size_n": [1, 2, 3, 4], "size_m": [8, 16, 32]}})
   chains: ChainSpace = ChainSpace()
@@ -213,6 +221,14 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
     raise ConfigError(f"{where}.speculators.draft: needs draft_model choices")
   if "mtp" in t.speculators and not (t.speculators["mtp"] or {}).get("head"):
     raise ConfigError(f"{where}.speculators.mtp: needs head choices")
+  arms = set(t.speculators) | ({"chain"} if t.chains.members else set())
+  for a, w in t.arm_weights.items():
+    if a not in arms:
+      raise ConfigError(f"{where}.arm_weights.{a}: not in the space (speculators, or 'chain' with chain members)")
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
+      raise ConfigError(f"{where}.arm_weights.{a}: must be a number >= 0")
+  if t.arm_weights and not any(float(t.arm_weights.get(a, 1.0)) > 0 for a in arms):
+    raise ConfigError(f"{where}.arm_weights: every weight is 0")
   c = t.chains
   bad = [m for m in c.members if m not in HOST_SPECULATORS]
   if bad:
@@ -330,6 +346,8 @@ class Space:
   def __init__(self, t: TuneSettings):
     self.t = t
     self.arms = list(t.speculators) + (["chain"] if t.chains.members else [])
+    w = np.asarray([float(t.arm_weights.get(a, 1.0)) for a in self.arms])
+    self.p = None if not t.arm_weights else w / w.sum()
     self.rng = np.random.default_rng(t.seed)
     self._max_draft_cache: dict[str, int | None] = {}
 
@@ -353,7 +371,8 @@ class Space:
     return DraftParamsConfig(n_max=n_max, n_min=n_min, p_min=p_min)
 
   def draw(self, name: str) -> MethodConfig:
-    arm = self.arms[int(self.rng.integers(len(self.arms)))]
+    i = int(self.rng.integers(len(self.arms))) if self.p is None else int(self.rng.choice(len(self.arms), p=self.p))
+    arm = self.arms[i]
     if arm == "chain":
       c = self.t.chains
       n = int(self.rng.integers(2, c.max_len + 1))

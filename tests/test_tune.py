@@ -71,6 +71,7 @@ def test_committed_config_loads():
     ({"tune": {"budget": {"trials": None, "seconds": None}}}, "budget"),
     ({"tune": {"budget": {"trials": None, "seconds": 5.0}, "strategy": "halving"}}, "halving"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"tune": {"arm_weights": {"suffix": 1}}}, "arm_weights"),
 ])
 def test_config_errors_name_the_key(patch, key):
   data = {"name": "x", "tune": {}}
@@ -101,6 +102,10 @@ def test_candidates_are_seeded_distinct_and_capped():
     dp = m.draft_params
     assert 1 <= dp.n_max <= tune._max_draft(m) and 0 <= dp.n_min <= dp.n_max
   assert any("," in m.speculator for m in a)                                          # chains are drawn
+  # arm weights: a zero weight is never drawn, the others are
+  weighted = dataclasses.replace(t, arm_weights={"ngram_simple": 0, "chain": 3})
+  specs = [m.speculator for m in tune.sample_candidates(weighted, 12)]
+  assert "ngram_simple" not in specs and any("," in s for s in specs)
   # an exhausted space ends the stream instead of looping
   small = dataclasses.replace(t, speculators={"ngram_cache": {"n_draft": 4}}, chains=tune.ChainSpace(),
                               draft_params={"n_max": [2, 4], "n_min": [0]})
