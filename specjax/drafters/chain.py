@@ -32,6 +32,10 @@ class Chain:
 
   on_device = False
 
+  @property
+  def cross_request_memory(self) -> bool:
+    return any(getattr(d, "cross_request_memory", False) for d in self.drafters)
+
   def __init__(self, drafters: Sequence, policy: str = "best", prior: float = 0.5, prior_weight: float = 2.0):
     if not drafters:
       raise ValueError("Chain needs at least one drafter")

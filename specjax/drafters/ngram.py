@@ -369,6 +369,7 @@ class NgramMod(_PerSequenceDrafter):
   """
 
   name = "ngram_mod"
+  cross_request_memory = True     # the shared table outlives a request by design
 
   def __init__(self, n_match: int = 24, n_min: int = 48, n_max: int = 64, table_size: int = 4 * 1024 * 1024,
                add_chunk: int = 32, low_accept: float = 0.5, low_rounds: int = 3, reset_occupancy: float = 0.25):
@@ -612,6 +613,7 @@ class NgramCache(_PerSequenceDrafter):
   """
 
   name = "ngram_cache"
+  cross_request_memory = True     # the dynamic cache, when update_dynamic=True
 
   def __init__(self, n_draft: int = 8, static=None, dynamic=None, update_dynamic: bool = False):
     super().__init__()

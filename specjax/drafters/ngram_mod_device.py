@@ -77,6 +77,7 @@ class NgramModDevice:
   width: int | None = None                       # verify width K (default n_max)
   name: str = "ngram_mod"
   on_device: bool = True
+  cross_request_memory: bool = True
   taps: tuple[int, ...] = ()
   _shared: dict = dataclasses.field(default_factory=dict, repr=False)
 

@@ -264,6 +264,7 @@ class SuffixDecoding:
   offset 0.0, min_token_prob 0.1, up to 100000 cached requests; max_spec_tokens = max_depth)."""
 
   name = "suffix"
+  cross_request_memory = True     # the global tree over earlier requests
   on_device = False
 
   def __init__(self, max_depth: int = 64, max_spec_tokens: int | None = None, max_spec_factor: float = 1.0,
