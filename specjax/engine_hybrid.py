@@ -211,6 +211,11 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
   return state, drafter.init(dparams, tokens, prompt_lens, tapped, capacity)
 
 
+@functools.partial(jax.jit, static_argnames=("drafter", "capacity"))
+def _drafter_init(dparams, tokens, prompt_lens, *, drafter, capacity):
+  return drafter.init(dparams, tokens, prompt_lens, {"prenorm": None, "layers": ()}, capacity)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "target", "drafter"), donate_argnames=("state", "dstate"))
 def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, target, drafter):
   stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
@@ -248,8 +253,14 @@ def speculative_generate_hybrid(params, cfg, prompts: list[list[int]], drafter, 
   t0 = time.perf_counter()
   if drafter.on_device:
     dparams = drafter.params()
-    state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
-                                  cfg=cfg, target=target, drafter=drafter, capacity=cap, history_len=history_len)
+    tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
+    if drafter.taps:
+      state, dstate = _spec_prefill(params, dparams, tokens, lens, sampling, stop, max_new, cfg=cfg,
+                                    target=target_of(cfg), drafter=drafter, capacity=cap, history_len=history_len)
+    else:   # the plain prefill program (one compilation per capacity, whatever the drafter and rollback)
+      state = prefill_jit(params, tokens, lens, sampling, stop, max_new, cfg=cfg, target=target_of(cfg),
+                          capacity=cap, history_len=history_len)
+      dstate = _drafter_init(dparams, tokens, lens, drafter=drafter, capacity=cap)
     state, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
                               cfg=cfg, target=target, drafter=drafter)
     jax.block_until_ready(state.hist_len)
@@ -265,7 +276,7 @@ def speculative_generate_hybrid(params, cfg, prompts: list[list[int]], drafter, 
 def _host_loop(params, cfg, target, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len):
   b, k = len(prompts), drafter.max_draft
   state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
-                      cfg=cfg, target=target, capacity=cap, history_len=history_len)
+                      cfg=cfg, target=target_of(cfg), capacity=cap, history_len=history_len)
   stats = RoundStats.zeros(b, k)
   first = np.asarray(state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
@@ -300,6 +311,8 @@ def _host_loop(params, cfg, target, drafter, prompts, tokens, lens, sampling, dp
 
 # ----------------------------------------------------------------------------------------------
 # a hybrid draft model
+
+WINDOW_MODE = "chunked"
 
 
 @jax.tree_util.register_dataclass
@@ -344,26 +357,30 @@ class HybridDraftModelDrafter:
     missing = ctx.target_len + 1 - state.lengths                                  # [B] in {1, 2}
     cols = state.lengths[:, None] + jnp.arange(2)[None, :]
     window = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, 2]
-    logits, _, state = hybrid_forward(dparams, self.cfg, window, state, n_new=missing, last_only=True)
+    logits, _, state = hybrid_forward(dparams, self.cfg, window, state, n_new=missing, last_only=True, mode=WINDOW_MODE)
 
     def pick(logits):
       probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)           # [B, V]
       return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
 
-    tok, conf = pick(logits)
-    active = (conf >= ctx.p_min) & (ctx.n_max > 0)
-    tokens, lengths, states = [tok], active.astype(jnp.int32), [state]
-    for i in range(1, k):
-      logits, _, state = hybrid_forward(dparams, self.cfg, tokens[-1][:, None], state)
+    tok0, conf0 = pick(logits)
+    active0 = (conf0 >= ctx.p_min) & (ctx.n_max > 0)
+
+    def step(carry, i):   # one drafted token per step; the body compiles once (a scan, not unrolled)
+      state, prev, active, lengths = carry
+      logits, _, state = hybrid_forward(dparams, self.cfg, prev[:, None], state)
       tok, conf = pick(logits)
       active = active & (conf >= ctx.p_min) & (i < ctx.n_max)
-      tokens.append(tok)
-      lengths = lengths + active.astype(jnp.int32)
-      states.append(state)
-    stack = lambda per_state: tuple(jnp.stack(xs, axis=1) for xs in zip(*per_state))
-    new = HybridDraftState(state=state, conv_steps=stack([s.conv for s in states]),
-                           rec_steps=stack([s.rec for s in states]), base=ctx.target_len, end=state.lengths)
-    return Draft(tokens=jnp.stack(tokens, axis=1), lengths=lengths), new
+      return (state, tok, active, lengths + active.astype(jnp.int32)), (tok, state.conv, state.rec)
+
+    carry = (state, tok0, active0, active0.astype(jnp.int32))
+    (last_state, _, _, lengths), (toks, convs, recs) = jax.lax.scan(step, carry, jnp.arange(1, k))
+    steps = lambda first, rest: tuple(jnp.concatenate([f[:, None], jnp.moveaxis(r, 0, 1)], axis=1)
+                                      for f, r in zip(first, rest))           # [B, K, ...]
+    new = HybridDraftState(state=last_state, conv_steps=steps(state.conv, convs), rec_steps=steps(state.rec, recs),
+                           base=ctx.target_len, end=last_state.lengths)
+    tokens = jnp.concatenate([tok0[:, None], toks.T], axis=1)                     # [B, K]
+    return Draft(tokens=tokens, lengths=lengths), new
 
   def commit(self, dparams, dstate: HybridDraftState, result: RoundResult) -> HybridDraftState:
     committed = dstate.base + 1 + jnp.where(result.live, result.n_accepted, 0)

@@ -114,6 +114,19 @@ def test_head_shapes_and_cache(which, request):
   assert logits_from_prenorm(params, cfg, out).shape == (b, t, cfg.vocab_size)
 
 
+def test_identity_init_starts_from_the_target(tiny_llama):
+  """init="identity" (eh_proj = [0 | I], the block's output projections zero): before training, the
+  head's distribution at every base position is the target's own next-token distribution there."""
+  cfg, params = tiny_llama
+  heads = init_heads(cfg, 1, seed=0, init="identity")
+  seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+  toks = jnp.asarray([seq + [0] * (W - len(seq))] * B, jnp.int32)
+  pre = _prenorm(params, cfg, toks, jnp.full((B,), len(seq), jnp.int32))
+  out0 = _jit_unroll(tuple(heads), cfg, params, toks, pre, K)[0]
+  np.testing.assert_allclose(np.asarray(logits_from_prenorm(params, cfg, out0))[0, :len(seq)],
+                             np.asarray(logits_from_prenorm(params, cfg, pre))[0, :len(seq)], rtol=1e-4, atol=1e-4)
+
+
 def test_save_load_roundtrip(tiny_llama, tmp_path):
   """Heads go to bf16 safetensors with HF/DeepSeek-style names ([out, in], q/k/v and gate/up
   unfused) plus a JSON config, come back equal to the bf16-rounded originals, and are refused by a

@@ -182,3 +182,28 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
   ckpts.close()
   return TrainResult(params=params, step=end, metrics=last, seconds=time.perf_counter() - t0,
                      resumed_from=resumed)
+
+
+def plot_metrics(jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
+  """Training curves from a metrics.jsonl: every `loss*` and every `acc*` metric against the step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [json.loads(ln) for ln in Path(jsonl).read_text().splitlines() if ln.strip()]
+  steps = np.asarray([r["step"] for r in rows])
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for ax, prefix in zip(axes, ("loss", "acc")):
+    for key in sorted(k for k in rows[-1] if k.startswith(prefix)):
+      ys = np.asarray([r.get(key, np.nan) for r in rows], float)
+      win = max(1, len(ys) // 50)
+      smooth = np.convolve(ys, np.ones(win) / win, mode="valid")
+      ax.plot(steps[win - 1:], smooth, label=key, lw=1.2)
+    ax.set(xlabel="step", title=f"{prefix} (moving average)")
+    ax.legend(fontsize=8)
+  axes[2].plot(steps, [r["lr"] for r in rows], color="k", lw=1)
+  axes[2].set(xlabel="step", title="learning rate")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=110)
+  plt.close(fig)
+  return Path(out_png)

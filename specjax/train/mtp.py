@@ -252,6 +252,10 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
   Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
   (Path(spec.out_dir) / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+  if res.step == spec.train.steps and res.metrics:
+    from specjax.train.loop import plot_metrics
+    plot_metrics(Path(spec.out_dir) / "metrics.jsonl", Path(spec.out_dir) / "training_curve.png",
+                 title=f"{spec.name}: {spec.target}, {res.step} steps")
   return summary
 
 
