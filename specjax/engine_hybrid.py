@@ -39,8 +39,8 @@ from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
 from specjax.engine import SpecResult
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity
 from specjax.models import decoder
-from specjax.models.hybrid import HybridConfig, hybrid_forward, rollback_redecode
-from specjax.recurrent_state import ROLLBACK_MODES, HybridState, pick_step, rollback_per_step
+from specjax.models.hybrid import HybridConfig, HybridTarget, hybrid_forward
+from specjax.recurrent_state import HybridState, pick_step
 from specjax.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
 from specjax.state import KVCache
 from specjax.stats import RoundStats, SpecStats
@@ -66,34 +66,6 @@ class DecoderTarget:
 
   def commit(self, params, cfg, tokens, before, after, ckpt, n_keep):
     return after.with_lengths(before.lengths + n_keep)
-
-
-@dataclasses.dataclass(frozen=True)
-class HybridTarget:
-  """Hybrid targets (`HybridConfig`), with the rollback mode of the run."""
-  rollback: str = "per_step"
-
-  def __post_init__(self):
-    if self.rollback not in ROLLBACK_MODES:
-      raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
-
-  def init_state(self, cfg, batch: int, capacity: int, dtype) -> HybridState:
-    return HybridState.init(cfg, batch, capacity, dtype=dtype)
-
-  def forward(self, params, cfg, tokens, state, **kw):
-    return hybrid_forward(params, cfg, tokens, state, **kw)
-
-  def verify(self, params, cfg, tokens, state, *, taps=()):
-    """-> (logits, taps, state after all T tokens, per-step states (per_step) or None (redecode))."""
-    if self.rollback == "per_step":
-      return hybrid_forward(params, cfg, tokens, state, taps=taps, return_per_step=True)
-    return hybrid_forward(params, cfg, tokens, state, taps=taps) + (None,)
-
-  def commit(self, params, cfg, tokens, before, after, ckpt, n_keep):
-    """The state after the first n_keep [B] verified tokens."""
-    if self.rollback == "per_step":
-      return rollback_per_step(before, ckpt, n_keep)
-    return rollback_redecode(params, cfg, before, after, tokens, n_keep)
 
 
 def target_of(cfg, rollback: str = "per_step"):
@@ -142,7 +114,8 @@ def _decode_loop(params, state, sampling, stop_ids, max_new, *, cfg, target):
 
 
 def generate_plain_hybrid(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
-                          sampling: SamplingParams | None = None, stop_ids=(), capacity: int | None = None) -> DecodeResult:
+                          sampling: SamplingParams | None = None, stop_ids=(),
+                          capacity: int | None = None) -> DecodeResult:
   """Autoregressive generation (prefill in the chunked form, then one recurrent step per token)."""
   tokens, lens = pad_prompts(prompts)
   b = len(prompts)
@@ -150,7 +123,7 @@ def generate_plain_hybrid(params, cfg, prompts: list[list[int]], *, max_new_toke
   cap = plan_capacity(tokens.shape[1], max_new_tokens, 0, capacity)
   max_new = jnp.full((b,), max_new_tokens, jnp.int32)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-  history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + 1
+  history_len = cap      # as long as the cache: plain and speculative runs share one prefill program
   target = target_of(cfg)
   t0 = time.perf_counter()
   state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
@@ -249,7 +222,7 @@ def speculative_generate_hybrid(params, cfg, prompts: list[list[int]], drafter, 
   cap = plan_capacity(tokens.shape[1], max_new_tokens, k + 1, capacity)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   max_new = jnp.full((b,), max_new_tokens, jnp.int32)
-  history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
+  history_len = cap
   t0 = time.perf_counter()
   if drafter.on_device:
     dparams = drafter.params()
@@ -312,8 +285,6 @@ def _host_loop(params, cfg, target, drafter, prompts, tokens, lens, sampling, dp
 # ----------------------------------------------------------------------------------------------
 # a hybrid draft model
 
-WINDOW_MODE = "chunked"
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +328,7 @@ class HybridDraftModelDrafter:
     missing = ctx.target_len + 1 - state.lengths                                  # [B] in {1, 2}
     cols = state.lengths[:, None] + jnp.arange(2)[None, :]
     window = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, 2]
-    logits, _, state = hybrid_forward(dparams, self.cfg, window, state, n_new=missing, last_only=True, mode=WINDOW_MODE)
+    logits, _, state = hybrid_forward(dparams, self.cfg, window, state, n_new=missing, last_only=True)
 
     def pick(logits):
       probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)           # [B, V]

@@ -169,7 +169,8 @@ class GatedDeltaNet(nnx.Module):
     # One GEMM for the four HF projections in_proj_qkv, in_proj_z, in_proj_b, in_proj_a.
     self.in_proj = Linear(d, self.conv_dim + self.value_dim + 2 * hv, bias=False, dtype=dtype, rngs=rngs)
     k = cfg.conv_kernel
-    self.conv1d = nnx.Param((jax.random.normal(rngs.params(), (self.conv_dim, k), jnp.float32) * k ** -0.5).astype(dtype))
+    conv = jax.random.normal(rngs.params(), (self.conv_dim, k), jnp.float32) * k ** -0.5
+    self.conv1d = nnx.Param(conv.astype(dtype))                                    # [C, K] (HF [C, 1, K])
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)).astype(dtype))
     self.dt_bias = nnx.Param(jnp.ones((hv,), dtype))
     self.norm = RMSNorm(cfg.lin_v_dim, cfg.norm_eps, offset=False, dtype=dtype)
@@ -197,8 +198,11 @@ class GatedDeltaNet(nnx.Module):
     beta = jnp.where(valid, jax.nn.sigmoid(beta_in), 0.0)                          # [B, T, Hv]
     g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
     g = jnp.where(valid, g, 0.0)
-    rule = gated_delta_recurrent if mode == "recurrent" else lambda *a, **kw: gated_delta_chunked(*a, chunk=self.chunk, **kw)
-    o, rec, rec_steps = rule(q, k, v, g, beta, rec_state.astype(jnp.float32), per_step=per_step)
+    s0 = rec_state.astype(jnp.float32)
+    if mode == "recurrent":
+      o, rec, rec_steps = gated_delta_recurrent(q, k, v, g, beta, s0, per_step=per_step)
+    else:
+      o, rec, rec_steps = gated_delta_chunked(q, k, v, g, beta, s0, chunk=self.chunk, per_step=per_step)
     o = self.norm(o) * jax.nn.silu(z.reshape(b, t, self.hv, self.dv))            # gated RMSNorm per head
     out = self.out_proj(o.reshape(b, t, self.value_dim))
     k1 = conv_state.shape[1]

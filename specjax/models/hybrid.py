@@ -29,7 +29,7 @@ from flax import nnx
 from specjax.models.decoder import attention_masks, params_dtype
 from specjax.models.gated_deltanet import GatedDeltaNet
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
-from specjax.recurrent_state import HybridState, rollback_per_step, select_rows   # noqa: F401 (re-export)
+from specjax.recurrent_state import ROLLBACK_MODES, HybridState, rollback_per_step, select_rows
 from specjax.state import check_capacity
 
 HYBRID_ARCHS = ("qwen3_5",)
@@ -191,7 +191,8 @@ class HybridLM(nnx.Module):
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.layers = nnx.List([HybridBlock(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.n_layers)])
     self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=True, dtype=dtype)
-    self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+    self.lm_head = (None if cfg.tie_embeddings
+                    else Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Final norm + LM head. h [B, T, d_model] (pre-norm) -> [B, T, V] float32."""
@@ -223,22 +224,27 @@ def model_of(params, cfg: HybridConfig) -> HybridLM:
 
 def _run_layers(model: HybridLM, cfg: HybridConfig, tokens, state: HybridState, positions, n_new, *,
                 mode: str, per_step: bool, taps: Sequence[int] = (), n_layers: int | None = None):
-  """Embed and run the first `n_layers` blocks. Returns (hidden [B, T, d], tapped, k, v, conv, rec, steps)."""
+  """Embed and run the first `n_layers` blocks.
+
+  Returns (hidden [B, T, d_model], tapped, per attention layer K and V [B, S, KVH, D], per
+  recurrent layer conv and recurrent states, per-step (conv, rec) lists (empty unless per_step))."""
   masks = attention_masks(cfg, state.lengths, positions, state.capacity)
   x = model.embed_tokens(tokens).astype(jnp.float32)                              # [B, T, d_model]
   ks, vs, conv, rec, c_steps, r_steps, tapped = [], [], [], [], [], [], []
   for i, block in enumerate(model.layers[:n_layers]):
     h = block.input_layernorm(x)
     if block.linear:
-      j = len(conv)
-      out, (c, r), steps = block.linear_attn(h, state.conv[j], state.rec[j], n_new, mode=mode, per_step=per_step)
+      with jax.named_scope(f"layer{i}_deltanet"):
+        j = len(conv)
+        out, (c, r), steps = block.linear_attn(h, state.conv[j], state.rec[j], n_new, mode=mode, per_step=per_step)
       conv.append(c)
       rec.append(r)
       if per_step:
         c_steps.append(steps[0])
         r_steps.append(steps[1])
     else:
-      out, (k, v) = block.self_attn(h, positions, functools.partial(state.kv.write, len(ks)), masks["full"])
+      with jax.named_scope(f"layer{i}_attention"):
+        out, (k, v) = block.self_attn(h, positions, functools.partial(state.kv.write, len(ks)), masks["full"])
       ks.append(k)
       vs.append(v)
     x = block.ffn(x + out)
@@ -288,32 +294,61 @@ def rollback_redecode(params, cfg: HybridConfig, state_before: HybridState, stat
                       tokens, n_keep) -> HybridState:
   """The state after the first n_keep [B] of the T verified `tokens` [B, T], llama.cpp's way.
 
-  state_before: the state verification started from (only its recurrent leaves are read: the
-  checkpoint); state_after: what verification returned. Rows that accepted all T tokens take
-  state_after; rows with 0 < n_keep < T re-run their accepted tokens from the checkpoint (one
-  pass for the batch, only when some row needs it, only through the last recurrent layer); rows
-  with n_keep = 0 keep the checkpoint. The KV cache is state_after's, cut to the accepted length.
+  state_before: the state verification started from (only its lengths and recurrent leaves are
+  read: the checkpoint); state_after: what verification returned. If some row accepted part of
+  its draft (0 < n_keep < T), the batch re-runs the verified tokens from the checkpoint with
+  n_new = n_keep, through the last recurrent layer only. Rows that accepted all T tokens take
+  state_after's recurrent state, rows with n_keep = 0 keep the checkpoint. The KV cache is cut to
+  the accepted length (the re-run rewrites the same K/V into it: no second cache is kept).
   """
   t = tokens.shape[1]
   lengths = state_before.lengths
-  kv = state_after.kv.with_lengths(lengths + n_keep)
-  partial = (n_keep > 0) & (n_keep < t)
+  n_run = cfg.linear_layers[-1] + 1                                               # layers the re-run needs
 
   def rerun():
-    # Attention layers below the last recurrent layer need the committed K/V: after verification
-    # they are in state_after's cache at slots < lengths (the verified tokens are rewritten).
     start = HybridState(kv=state_after.kv.with_lengths(lengths), conv=state_before.conv, rec=state_before.rec)
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    model = model_of(params, cfg)
-    *_, conv, rec, _ = _run_layers(model, cfg, tokens, start, positions, n_keep, mode="chunked" if t > 1 else "recurrent",
-                                   per_step=False, n_layers=cfg.linear_layers[-1] + 1)
-    return tuple(conv), tuple(rec)
+    _, _, ks, vs, conv, rec, _ = _run_layers(model_of(params, cfg), cfg, tokens, start, positions, n_keep,
+                                             mode="chunked" if t > 1 else "recurrent", per_step=False, n_layers=n_run)
+    return (tuple(ks) + state_after.kv.k[len(ks):], tuple(vs) + state_after.kv.v[len(vs):],
+            tuple(conv), tuple(rec))
 
-  keep_old = lambda: (state_before.conv, state_before.rec)
-  conv, rec = jax.lax.cond(jnp.any(partial), rerun, keep_old)
+  def keep():
+    return state_after.kv.k, state_after.kv.v, state_before.conv, state_before.rec
+
+  partial = (n_keep > 0) & (n_keep < t)
+  k, v, conv, rec = jax.lax.cond(jnp.any(partial), rerun, keep)
+  kv = dataclasses.replace(state_after.kv, k=k, v=v, lengths=lengths + n_keep)
   redone = HybridState(kv=kv, conv=conv, rec=rec)
-  after = HybridState(kv=kv, conv=state_after.conv, rec=state_after.rec)
-  return select_rows(n_keep >= t, after, redone)
+  return select_rows(n_keep >= t, HybridState(kv=kv, conv=state_after.conv, rec=state_after.rec), redone)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridTarget:
+  """Hybrid targets (`HybridConfig`), with the rollback mode of the run."""
+  rollback: str = "per_step"
+
+  def __post_init__(self):
+    if self.rollback not in ROLLBACK_MODES:
+      raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
+
+  def init_state(self, cfg, batch: int, capacity: int, dtype) -> HybridState:
+    return HybridState.init(cfg, batch, capacity, dtype=dtype)
+
+  def forward(self, params, cfg, tokens, state, **kw):
+    return hybrid_forward(params, cfg, tokens, state, **kw)
+
+  def verify(self, params, cfg, tokens, state, *, taps=()):
+    """-> (logits, taps, state after all T tokens, per-step states (per_step) or None (redecode))."""
+    if self.rollback == "per_step":
+      return hybrid_forward(params, cfg, tokens, state, taps=taps, return_per_step=True)
+    return hybrid_forward(params, cfg, tokens, state, taps=taps) + (None,)
+
+  def commit(self, params, cfg, tokens, before, after, ckpt, n_keep):
+    """The state after the first n_keep [B] verified tokens."""
+    if self.rollback == "per_step":
+      return rollback_per_step(before, ckpt, n_keep)
+    return rollback_redecode(params, cfg, before, after, tokens, n_keep)
 
 
 def logits_from_prenorm(params, cfg: HybridConfig, h):
