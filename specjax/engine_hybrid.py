@@ -18,8 +18,10 @@ is committed together with the model state, for exactly the emitted tokens. So s
 speculation has the law of sampling without it (tested with the engine's chi-square test).
 
 The loop functions below mirror `specjax.engine` / `specjax.decode` with the target made a static
-argument; `HybridDraftModelDrafter` is the draft-model drafter for a hybrid draft model (it rolls
-its own recurrent state back with per-step states of its drafting steps).
+argument (interim: once the engine asks a `target_of(cfg, rollback)` for verify / commit, they go
+and `DecoderTarget` moves next to `decoder.forward`); `HybridDraftModelDrafter` is the draft-model
+drafter for a hybrid draft model (it rolls its own recurrent state back with per-step states of
+its drafting steps; its place is `specjax/drafters/`).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def verify_and_accept(params, cfg, target, state: GenState, draft: Draft, dp: di
 def _round(params, dparams, cfg, target, drafter, sampling, dp, stop_ids, max_new, carry):
   state, dstate, stats = carry
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
-                     target_len=state.cache.lengths, n_max=dp["n_max"], p_min=dp["p_min"],
+                     target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, dp["n_max"]), p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
   state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
@@ -193,8 +195,7 @@ def _drafter_init(dparams, tokens, prompt_lens, *, drafter, capacity):
 def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, target, drafter):
   stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
   body = functools.partial(_round, params, dparams, cfg, target, drafter, sampling, dp, stop_ids, max_new)
-  state, _, stats = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
-  return state, stats
+  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target"), donate_argnames=("state",))
@@ -234,8 +235,10 @@ def speculative_generate_hybrid(params, cfg, prompts: list[list[int]], drafter, 
       state = prefill_jit(params, tokens, lens, sampling, stop, max_new, cfg=cfg, target=target_of(cfg),
                           capacity=cap, history_len=history_len)
       dstate = _drafter_init(dparams, tokens, lens, drafter=drafter, capacity=cap)
-    state, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
-                              cfg=cfg, target=target, drafter=drafter)
+    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
+                                      cfg=cfg, target=target, drafter=drafter)
+    if hasattr(drafter, "end_device"):
+      drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
