@@ -276,6 +276,7 @@ def evaluate_head(target, head, *, prompt_set: str = "mt_bench", per_category: i
   from specjax.drafters.base import DraftParams
   from specjax.drafters.mtp import make_mtp_drafter
   from specjax.engine import speculative_generate
+  from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.sampling import SamplingParams
 
   questions, per = [], {}
@@ -287,7 +288,8 @@ def evaluate_head(target, head, *, prompt_set: str = "mt_bench", per_category: i
   prompts = [tok.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
   b = batch_size or len(prompts)
   stop = tuple(tok.eos_ids)
-  cap = 64 * -(-(max(len(p) for p in prompts) + max_new_tokens + max(n_max) + 2) // 64)
+  width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)                   # as pad_prompts pads
+  cap = round_up(width + max_new_tokens + max(n_max) + 2, 64)
 
   def run(fn, chunk):
     fn(chunk)                                   # compile / warm up
