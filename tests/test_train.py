@@ -26,9 +26,11 @@ class ToyTokenizer:
   """Text -> tokens of the tiny vocabulary (16): a 'chat template' of [1, ..., 15]."""
   eos_ids = (STOP,)
 
+  def encode(self, text, add_bos=None, add_eos=None):
+    return [2 + (ord(c) * 7) % 13 for c in text]
+
   def encode_chat(self, messages):
-    text = messages[-1]["content"]
-    return [1] + [2 + (ord(c) * 7) % 13 for c in text] + [15]
+    return [1] + self.encode(messages[-1]["content"]) + [15]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def prompt_file(tmp_path_factory):
   lines = []
   for i in range(14):
     text = " ".join(rng.choice(words, size=rng.integers(1, 4)))
-    lines.append(json.dumps({"question_id": i, "category": "toy", "turns": [text]}))
+    lines.append(json.dumps({"question_id": i, "category": "toy", "turns": [text], "reference": [text[::-1]]}))
   path.write_text("\n".join(lines) + "\n")
   return path
 
@@ -68,7 +70,8 @@ def test_data_build_resumes_and_reads_back(toy_target, prompt_file, toy_dataset,
   target's pre-norm hidden states along them. Building 4 rows and then 8 gives the same shards as
   building 8 at once (a bigger dataset extends a smaller one); a shard lost before the manifest
   recorded it is rebuilt identically; other settings in the same folder are refused; MT-bench is
-  refused as a source; batches are a pure function of the step."""
+  refused as a source; "reference" mode stores the prompt set's own answers instead of generating;
+  several folders read as one dataset; batches are a pure function of the step."""
   cfg, params = toy_target.cfg, toy_target.params
   out = tmp_path / "data"
   build_dataset(toy_target, _data_config(prompt_file, out, n_sequences=4), progress=False)
@@ -101,6 +104,20 @@ def test_data_build_resumes_and_reads_back(toy_target, prompt_file, toy_dataset,
   ref = np.asarray(target_prenorm(params, jnp.asarray(toks), jnp.asarray(lens), cfg=cfg))
   for r in range(8):
     np.testing.assert_allclose(rows["prenorm"][r, :lens[r]], ref[r, :lens[r]], atol=1e-5)
+  # "reference" answers: the prompt set's own answer + the stop token, no generation; read together
+  ref_dir = tmp_path / "ref"
+  build_dataset(toy_target, _data_config(prompt_file, ref_dir, responses="reference"), progress=False)
+  both = ShardDataset([toy_dataset, ref_dir])
+  assert len(both) == 12
+  rr = both.rows(np.arange(8, 12))
+  texts = [json.loads(ln)["turns"][0] for ln in prompt_file.read_text().splitlines()]
+  for r in range(4):
+    prompt = rr["tokens"][r, :rr["prompt_lens"][r]].tolist()
+    text = next(t for t in texts if ToyTokenizer().encode_chat([{"content": t}]) == prompt)
+    assert rr["tokens"][r, rr["prompt_lens"][r]:rr["lens"][r]].tolist() == ToyTokenizer().encode(text[::-1])[:9] + [STOP]
+  np.testing.assert_allclose(rr["prenorm"][0, :rr["lens"][0]],
+                             np.asarray(target_prenorm(params, jnp.asarray(rr["tokens"]), jnp.asarray(rr["lens"]),
+                                                       cfg=cfg))[0, :rr["lens"][0]], atol=1e-5)
   b1, b2 = ds.batch(5, 3, seed=1), ds.batch(5, 3, seed=1)
   assert all(np.array_equal(b1[k], b2[k]) for k in b1)
   seen = np.concatenate([ds.batch(s, 4, seed=1)["tokens"] for s in range(2)])   # one epoch: every row once

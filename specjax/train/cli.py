@@ -25,10 +25,11 @@ def cmd_data(args) -> int:
   from specjax.train.mtp import load_spec
   spec = load_spec(args.config, **_overrides(args))
   target = load_model(spec.target, dtype=spec.dtype)
-  out = build_dataset(target, spec.data, progress=not args.quiet, dtype_name=spec.dtype)
-  ds = ShardDataset(out)
-  print(f"{out}: {len(ds)} rows, {ds.n_response_tokens} response tokens, "
-        f"{int(ds.arrays['lens'].sum())} tokens in all, taps {'stored' if ds.has_taps else 'not stored'}")
+  for dc in (spec.data,) + (() if args.main_only else spec.extra_data):
+    out = build_dataset(target, dc, progress=not args.quiet, dtype_name=spec.dtype)
+    ds = ShardDataset(out)
+    print(f"{out}: {len(ds)} rows ({dc.responses} answers), {ds.n_response_tokens} answer tokens, "
+          f"{int(ds.arrays['lens'].sum())} tokens in all, taps {'stored' if ds.has_taps else 'not stored'}")
   return 0
 
 
@@ -74,7 +75,8 @@ def add_train_commands(subparsers) -> None:
 
   d = tsub.add_parser("data", help="the target answers training prompts: token shards (+ taps)")
   common(d)
-  d.add_argument("--n-sequences", type=int, default=None, help="dataset rows (default: the config's)")
+  d.add_argument("--n-sequences", type=int, default=None, help="rows of the main dataset (default: the config's)")
+  d.add_argument("--main-only", action="store_true", help="build the main dataset only, not extra_data")
   d.set_defaults(func=cmd_data)
 
   m = tsub.add_parser("mtp", help="train MTP heads on a built dataset and export them")

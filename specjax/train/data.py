@@ -23,7 +23,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,8 @@ class DataConfig:
   max_new_tokens: int = 256          # response budget per prompt
   batch_size: int = 16               # prompts per generation batch (= rows per shard)
   temperature: float = 0.0           # 0: the target's greedy answers
+  responses: str = "target"          # "target": the target answers (self-distillation); "reference": the
+                                     # prompt set's own answers (no generation: a forward pass for the taps)
   store_taps: bool = True            # store the target's pre-norm hidden states
   taps_dtype: str = "bfloat16"       # bfloat16 | float16 | float32
   seed: int = 0
@@ -69,29 +71,63 @@ class DataConfig:
 # prompts
 
 
-def prompt_stream(dc: DataConfig, encode) -> Iterator[tuple[int, list[int]]]:
-  """(source index, chat-encoded prompt tokens): each source shuffled with the seed, interleaved
-  round-robin; prompts longer than max_prompt_len are skipped."""
+def same_identity(old: dict, new: dict, defaults: dict) -> bool:
+  """Equal, where a field the old dataset predates counts as equal when the new value is its default."""
+  return all(old[k] == v if k in old else v == defaults.get(k) for k, v in new.items()) and set(old) <= set(new)
+
+
+def references(name_or_path: str) -> list[str | None]:
+  """The answer shipped with each question of a prompt set, in `load_prompt_set` order: GSM8K
+  `answer` (calculator annotations removed), `reference[0]` (Alpaca, MT-bench format), HumanEval's
+  prompt + `canonical_solution` as a code block; None where there is none."""
+  import re
+
+  from specjax.bench.prompts import resolve
+  out = []
+  with open(resolve(name_or_path)) as f:
+    for line in f:
+      if not line.strip():
+        continue
+      row = json.loads(line)
+      if "answer" in row:
+        out.append(re.sub(r"<<[^>]*>>", "", row["answer"]))
+      elif "canonical_solution" in row:
+        out.append("```python\n" + row["prompt"] + row["canonical_solution"] + "```")
+      elif row.get("reference"):
+        out.append(row["reference"][0])
+      else:
+        out.append(None)
+  return out
+
+
+def prompt_stream(dc: DataConfig, encode) -> Iterator[tuple[int, list[int], str | None]]:
+  """(source index, chat-encoded prompt tokens, reference answer or None): each source shuffled
+  with the seed, interleaved round-robin; prompts longer than max_prompt_len are skipped, and in
+  "reference" mode so are questions without an answer."""
   from specjax.bench.prompts import load_prompt_set
   lists = []
   for i, src in enumerate(dc.sources):
     if src.name in EVAL_ONLY or Path(src.name).stem.startswith("mt_bench"):
       raise ValueError(f"data source {src.name!r} is an evaluation set; train on gsm8k, alpaca, humaneval")
     qs = load_prompt_set(src.name)
+    refs = references(src.name) if dc.responses == "reference" else [None] * len(qs)
     order = np.random.default_rng(dc.seed + i).permutation(len(qs))
-    texts = [qs[j].turns[0] for j in order]
-    lists.append(texts[:src.limit] if src.limit else texts)
+    items = [(qs[j].turns[0], refs[j]) for j in order]
+    lists.append(items[:src.limit] if src.limit else items)
   iters = [iter(t) for t in lists]
   live = list(range(len(iters)))
   while live:
     for i in list(live):
-      text = next(iters[i], None)
-      if text is None:
+      item = next(iters[i], None)
+      if item is None:
         live.remove(i)
+        continue
+      text, ref = item
+      if dc.responses == "reference" and not ref:
         continue
       tokens = encode(text)
       if len(tokens) <= dc.max_prompt_len:
-        yield i, tokens
+        yield i, tokens, ref
 
 
 def _rows_of(prompts: list[list[int]], responses: list[list[int]], width: int):
@@ -161,9 +197,15 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   identity = {"data": dc.identity(), "target": target.source or target.name, "dtype": dtype_name,
               "d_model": target.cfg.d_model}
   info_path, manifest_path = out / "info.json", out / "manifest.json"
+  if dc.responses not in ("target", "reference"):
+    raise ValueError(f"data.responses must be 'target' or 'reference', got {dc.responses!r}")
   if info_path.exists():
     old = json.loads(info_path.read_text())
-    if old.get("identity") != json.loads(json.dumps(identity)):
+    defaults = DataConfig().identity()
+    new = json.loads(json.dumps(identity))
+    if not (same_identity(old.get("identity", {}).get("data", {}), new["data"], defaults)
+            and {k: v for k, v in old.get("identity", {}).items() if k != "data"} ==
+            {k: v for k, v in new.items() if k != "data"}):
       raise ValueError(f"{out} holds a dataset built with other settings ({old.get('identity')}); "
                        f"use another data.dir or delete it")
   else:
@@ -192,12 +234,16 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
       continue
     srcs = np.asarray([c[0] for c in chunk], np.int32)
     prompts = [c[1] for c in chunk]
-    padded = prompts + [prompts[0]] * (bs - len(prompts))      # same batch shape: no recompilation
-    seeds = [dc.seed * 1_000_003 + s * bs + r for r in range(bs)]
-    sampling = SamplingParams.make(bs, temperature=dc.temperature, seed=seeds)
-    gen = generate_plain(target.params, target.cfg, padded, max_new_tokens=dc.max_new_tokens,
-                         sampling=sampling, stop_ids=stop_ids, capacity=capacity)
-    tokens, lens, plens = _rows_of(prompts, gen.tokens[:len(prompts)], dc.width)
+    if dc.responses == "reference":
+      answers = [tok.encode(c[2], add_bos=False, add_eos=False)[:dc.max_new_tokens - 1] + [stop_ids[0]]
+                 for c in chunk]
+    else:
+      padded = prompts + [prompts[0]] * (bs - len(prompts))      # same batch shape: no recompilation
+      seeds = [dc.seed * 1_000_003 + s * bs + r for r in range(bs)]
+      sampling = SamplingParams.make(bs, temperature=dc.temperature, seed=seeds)
+      answers = generate_plain(target.params, target.cfg, padded, max_new_tokens=dc.max_new_tokens,
+                               sampling=sampling, stop_ids=stop_ids, capacity=capacity).tokens[:len(prompts)]
+    tokens, lens, plens = _rows_of(prompts, answers, dc.width)
     stem = f"shard_{s:05d}"
     if dc.store_taps:
       pad = np.zeros((bs - len(prompts), dc.width), np.int32)
@@ -226,29 +272,39 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
 
 
 class ShardDataset:
-  """A built dataset, read back: token rows in memory, taps memory-mapped."""
+  """Built datasets, read back (one folder or several, concatenated): token rows in memory, taps
+  memory-mapped."""
 
-  def __init__(self, path: str | Path, max_rows: int | None = None):
-    self.path = Path(path)
-    manifest_path = self.path / "manifest.json"
-    if not manifest_path.exists():
-      raise FileNotFoundError(f"{self.path} holds no dataset (no manifest.json); build it with "
-                              f"`specjax train data --config ...`")
-    self.info = json.loads((self.path / "info.json").read_text())
-    data = self.info["identity"]["data"]
-    self.taps_dtype = data["taps_dtype"]
-    self.has_taps = bool(data["store_taps"])
-    shards = json.loads(manifest_path.read_text())["shards"]
-    parts, self._taps, self._where = [], [], []
-    for sh in shards:
-      stem = self.path / f"shard_{sh['index']:05d}"
-      with np.load(f"{stem}.npz") as z:
-        parts.append({k: z[k] for k in ("tokens", "lens", "prompt_lens", "source")})
-      if self.has_taps:
-        self._taps.append(np.load(f"{stem}.prenorm.npy", mmap_mode="r"))
-      self._where.extend((len(parts) - 1, r) for r in range(sh["rows"]))
+  def __init__(self, path: str | Path | Sequence[str | Path], max_rows: int | None = None):
+    paths = [Path(p) for p in ([path] if isinstance(path, (str, Path)) else path)]
+    self.path = paths[0]
+    parts, self._taps, self._where, has_taps, self.infos = [], [], [], [], []
+    for folder in paths:
+      manifest_path = folder / "manifest.json"
+      if not manifest_path.exists():
+        raise FileNotFoundError(f"{folder} holds no dataset (no manifest.json); build it with "
+                                f"`specjax train data --config ...`")
+      info = json.loads((folder / "info.json").read_text())
+      self.infos.append(info)
+      data = info["identity"]["data"]
+      has_taps.append(bool(data["store_taps"]))
+      for sh in json.loads(manifest_path.read_text())["shards"]:
+        stem = folder / f"shard_{sh['index']:05d}"
+        with np.load(f"{stem}.npz") as z:
+          parts.append({k: z[k] for k in ("tokens", "lens", "prompt_lens", "source")})
+        if data["store_taps"]:
+          self._taps.append((np.load(f"{stem}.prenorm.npy", mmap_mode="r"), data["taps_dtype"]))
+        else:
+          self._taps.append(None)
+        self._where.extend((len(parts) - 1, r) for r in range(sh["rows"]))
     if not parts:
-      raise ValueError(f"{self.path}: the dataset has no shards yet")
+      raise ValueError(f"{', '.join(map(str, paths))}: no shards yet")
+    widths = {p["tokens"].shape[1] for p in parts}
+    if len(widths) > 1:
+      raise ValueError(f"datasets of different row widths {sorted(widths)} cannot be mixed: build them with "
+                       f"the same max_prompt_len + max_new_tokens")
+    self.info = self.infos[0]
+    self.has_taps = all(has_taps)
     self.arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     if max_rows is not None:
       self.arrays = {k: v[:max_rows] for k, v in self.arrays.items()}
@@ -268,7 +324,7 @@ class ShardDataset:
   def rows(self, idx: np.ndarray, with_taps: bool = True) -> dict[str, np.ndarray]:
     out = {k: self.arrays[k][idx] for k in ("tokens", "lens", "prompt_lens")}
     if with_taps and self.has_taps:
-      out["prenorm"] = np.stack([decode_taps(np.asarray(self._taps[s][r]), self.taps_dtype)
+      out["prenorm"] = np.stack([decode_taps(np.asarray(self._taps[s][0][r]), self._taps[s][1]).astype(np.float32)
                                  for s, r in (self._where[i] for i in idx)])
     return out
 

@@ -63,6 +63,7 @@ class MTPTrainSpec:
   out_dir: str = "out/mtp"           # checkpoints, metrics.jsonl
   export: str | None = None          # where the trained head goes (safetensors + json)
   data: DataConfig = DataConfig()
+  extra_data: tuple[DataConfig, ...] = ()   # more datasets (e.g. responses: reference), trained on together
   head: HeadConfig = HeadConfig()
   loss: LossConfig = LossConfig()
   train: TrainConfig = TrainConfig()
@@ -224,10 +225,11 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
   cfg = target.cfg
-  ds = ShardDataset(spec.data.dir)
-  if ds.info["identity"]["d_model"] != cfg.d_model:
-    raise ValueError(f"dataset {spec.data.dir} was built for d_model {ds.info['identity']['d_model']}, "
-                     f"target has {cfg.d_model}")
+  dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
+  ds = ShardDataset(dirs)
+  for d, info in zip(dirs, ds.infos):
+    if info["identity"]["d_model"] != cfg.d_model:
+      raise ValueError(f"dataset {d} was built for d_model {info['identity']['d_model']}, target has {cfg.d_model}")
   use_taps = ds.has_taps and not spec.loss.recompute_taps
   heads = init_heads(cfg, spec.head.n_heads, seed=spec.train.seed, dtype=jnp.float32, init=spec.head.init,
                      target_params=target.params, block_from_layer=spec.head.block_from_layer)
@@ -243,7 +245,7 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
               progress=progress, stop_at=stop_at)
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
              "final_metrics": res.metrics, "seconds_this_run": round(res.seconds, 1),
-             "resumed_from": res.resumed_from, "dataset": {"dir": spec.data.dir, "rows": len(ds),
+             "resumed_from": res.resumed_from, "dataset": {"dirs": dirs, "rows": len(ds),
              "response_tokens": ds.n_response_tokens}, "config": dataclasses.asdict(spec),
              "git_revision": git_revision(), "device": device_info(),
              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
