@@ -14,15 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill
-from specjax.models.decoder import forward
+from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
 from specjax.sampling import SamplingParams, sample, shaped_probs, split_keys
 
 
 def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new) -> GenState:
   """One token per live sequence: forward `last`, sample, emit."""
   live = (~state.done).astype(jnp.int32)
-  logits, _, cache = forward(params, cfg, state.last[:, None], state.cache, n_new=live)
+  logits, _, cache = target_of(cfg).forward(params, cfg, state.last[:, None], state.cache, n_new=live)
   keys, use = split_keys(state.keys)
   token = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [B]
   state = dataclasses.replace(state, cache=cache, keys=keys)

@@ -18,30 +18,31 @@ import numpy as np
 
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
 from specjax.decode import prefill_jit
-from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill
-from specjax.models.decoder import forward
+from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
 from specjax.sampling import SamplingParams, shaped_probs, split_keys
 from specjax.stats import RoundStats, SpecStats
 from specjax.verify import accept_drafts
 
 
 def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, sampling: SamplingParams,
-                      stop_ids, max_new, taps=()):
+                      stop_ids, max_new, taps=(), rollback: str = "per_step"):
   """Score [last, d1..dK] with the target, accept the longest acceptable prefix plus one token,
-  roll the KV cache back to the accepted length and emit. Returns (state, n_acc, next, dlen, verified, taps)."""
+  roll the target's state back to the accepted length (KV: by length; recurrent state: `rollback`)
+  and emit. Model state and sampler state advance together, by the emitted tokens only.
+  Returns (state, n_acc, next, dlen, verified, taps)."""
   b, k = draft.tokens.shape
   live = ~state.done
   dlen = jnp.minimum(draft.lengths, dp["n_max"])
   dlen = jnp.where((dlen < dp["n_min"]) | ~live, 0, dlen)                          # short drafts are not verified
   verified = jnp.concatenate([state.last[:, None], draft.tokens], axis=1)          # [B, K+1]
-  old_len = state.cache.lengths
-  logits, tapped, cache = forward(params, cfg, verified, state.cache, taps=taps)   # [B, K+1, V]
+  target = target_of(cfg, rollback)
+  logits, tapped, after, ckpt = target.verify(params, cfg, verified, state.cache, taps=taps)   # [B, K+1, V]
   p = shaped_probs(logits, sampling)
   q = draft.q   # drafters shape q with the sequence's sampling parameters; None = one-hot
   keys, use = split_keys(state.keys)
   n_acc, nxt = accept_drafts(p, draft.tokens, dlen, use, q)
   n_acc = jnp.where(live, n_acc, 0)
-  cache = cache.with_lengths(old_len + jnp.where(live, 1 + n_acc, 0))              # rollback by length
+  cache = target.commit(params, cfg, verified, state.cache, after, ckpt, jnp.where(live, 1 + n_acc, 0))
   idx = jnp.arange(k + 1)[None, :]
   emitted = jnp.where(idx == n_acc[:, None], nxt[:, None],
                       jnp.concatenate([draft.tokens, jnp.zeros((b, 1), jnp.int32)], axis=1))   # [B, K+1]
@@ -50,14 +51,14 @@ def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, samp
   return state, n_acc, nxt, dlen, verified, tapped, live, n_out
 
 
-def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, carry):
+def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, carry):
   state, dstate, stats = carry
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
                      target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, dp["n_max"]), p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
   state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
-      params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps)
+      params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
   result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
                        layer_taps=tapped["layers"], live=live)
   dstate = drafter.commit(dparams, dstate, result)
@@ -73,21 +74,22 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
   return state, dstate
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("state", "dstate"))
-def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback"), donate_argnames=("state", "dstate"))
+def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback="per_step"):
   """Every round of every sequence in one while_loop; shapes depend on capacity and history
   length only, so one compilation serves every prompt width."""
   stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
-  body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new)
+  body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
   return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def _host_round(params, state, stats, draft_tokens, draft_lengths, sampling, dp, stop_ids, max_new, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))
+def _host_round(params, state, stats, draft_tokens, draft_lengths, sampling, dp, stop_ids, max_new, *, cfg,
+                rollback="per_step"):
   draft = Draft(tokens=draft_tokens, lengths=draft_lengths)
   hl_before = state.hist_len
   state, n_acc, _, dlen, _, _, live, n_out = verify_and_accept(params, cfg, state, draft, dp, sampling,
-                                                               stop_ids, max_new)
+                                                               stop_ids, max_new, rollback=rollback)
   k1 = draft_tokens.shape[1] + 1
   cols = hl_before[:, None] + jnp.arange(k1)[None, :]
   new_tokens = jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
@@ -111,8 +113,10 @@ class SpecResult:
 
 def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_new_tokens: int = 128,
                          sampling: SamplingParams | None = None, draft_params: DraftParams | None = None,
-                         stop_ids=(), capacity: int | None = None, warm_widths: bool = False) -> SpecResult:
-  """Speculative generation of a ragged batch of token prompts with one drafter."""
+                         stop_ids=(), capacity: int | None = None, warm_widths: bool = False,
+                         rollback: str = "per_step") -> SpecResult:
+  """Speculative generation of a ragged batch of token prompts with one drafter. `rollback`
+  ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection."""
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
   sampling = sampling or SamplingParams.make(b)
@@ -127,14 +131,14 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                                   cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
     state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
-                                      drafter=drafter)
+                                      drafter=drafter, rollback=rollback)
     if hasattr(drafter, "end_device"):
       drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
     state, stats, draft_seconds = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop,
-                                             max_new, cap, history_len, warm_widths)
+                                             max_new, cap, history_len, warm_widths, rollback)
     seconds = time.perf_counter() - t0
   outs = outputs_of(state)
   return SpecResult(tokens=outs, seconds=seconds,
@@ -142,7 +146,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
 
 
 def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len,
-               warm_widths=False):
+               warm_widths=False, rollback="per_step"):
   b, k = len(prompts), drafter.max_draft
   state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                       cfg=cfg, capacity=cap, history_len=history_len)
@@ -152,7 +156,7 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
     while True:
       w = min(width, widest)
       _host_round(params, jax.tree_util.tree_map(jnp.copy, state), stats, jnp.zeros((b, w), jnp.int32),
-                  jnp.zeros((b,), jnp.int32), sampling, dp, stop, max_new, cfg=cfg)
+                  jnp.zeros((b,), jnp.int32), sampling, dp, stop, max_new, cfg=cfg, rollback=rollback)
       if w >= widest:
         break
       width *= 2
@@ -172,7 +176,8 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
     width = min(k, 1 << int(max(int(d_len.max()), 1) - 1).bit_length())
     d_tok = np.asarray(d_tok, np.int32).reshape(b, -1)[:, :width]
     state, stats, n_acc, dlen, new_tokens, n_new, done_dev = _host_round(
-        params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len), sampling, dp, stop, max_new, cfg=cfg)
+        params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len), sampling, dp, stop, max_new, cfg=cfg,
+        rollback=rollback)
     n_acc, dlen, new_tokens, n_new, done = (np.asarray(x) for x in (n_acc, dlen, new_tokens, n_new, done_dev))
     t0 = time.perf_counter()
     if takes_verified:

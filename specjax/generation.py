@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.decoder import forward
+from specjax.models.decoder import DecoderTarget
+from specjax.models.hybrid import HybridConfig, HybridState, HybridTarget
 from specjax.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
 from specjax.state import KVCache, CacheOverflowError
 
@@ -22,7 +23,7 @@ from specjax.state import KVCache, CacheOverflowError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GenState:
-  cache: KVCache
+  cache: KVCache | HybridState   # the target's state (`target_of(cfg)` says which)
   history: jax.Array        # [B, H] int32: prompt then generated tokens
   hist_len: jax.Array       # [B] int32: valid entries of history (includes `last`)
   prompt_len: jax.Array     # [B] int32
@@ -33,6 +34,12 @@ class GenState:
   @property
   def n_out(self) -> jax.Array:
     return self.hist_len - self.prompt_len
+
+
+def target_of(cfg, rollback: str = "per_step"):
+  """How the loops run the target of `cfg`: init / forward / verify / commit of its state.
+  `rollback` ("per_step" | "redecode") applies to targets with recurrent state."""
+  return HybridTarget(rollback) if isinstance(cfg, HybridConfig) else DecoderTarget()
 
 
 PROMPT_BUCKET = 64   # prompt widths are padded to a multiple of this, so new lengths rarely recompile
@@ -96,8 +103,9 @@ def prefill(params, cfg, tokens, prompt_lens, sampling: SamplingParams, stop_ids
   tokens [B, T] right-padded, prompt_lens [B]. Returns (GenState, taps dict of the prompt pass).
   """
   b, t = tokens.shape
-  cache = KVCache.init(cfg, b, capacity, dtype=jax.tree_util.tree_leaves(params)[0].dtype)
-  logits, tapped, cache = forward(params, cfg, tokens, cache, n_new=prompt_lens, taps=taps, last_only=True)
+  target = target_of(cfg)
+  cache = target.init_state(cfg, b, capacity, jax.tree_util.tree_leaves(params)[0].dtype)
+  logits, tapped, cache = target.forward(params, cfg, tokens, cache, n_new=prompt_lens, taps=taps, last_only=True)
   keys, use = split_keys(init_keys(sampling))
   first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [B]
   history = jnp.zeros((b, history_len), jnp.int32).at[:, :t].set(tokens)

@@ -18,7 +18,9 @@ import pytest
 
 from conftest import chi2_gof, chi2_two_sample, randomize_hf_
 from specjax.drafters.ngram_device import NgramSimpleDevice
-from specjax.engine_hybrid import HybridDraftModelDrafter, generate_plain_hybrid, speculative_generate_hybrid
+from specjax.decode import generate_plain
+from specjax.drafters.hybrid_draft_model import HybridDraftModelDrafter
+from specjax.engine import speculative_generate
 from specjax.models.gated_deltanet import gated_delta_chunked, gated_delta_recurrent
 from specjax.models.hybrid import hybrid_forward, load_hybrid, rollback_redecode
 from specjax.recurrent_state import HybridState, rollback_per_step
@@ -91,7 +93,7 @@ def fwd(params, tokens, state, n_new=None, *, cfg, mode="auto", per_step=False):
 @pytest.fixture(scope="module")
 def plain3(pair):
   _, cfg, params = pair
-  return generate_plain_hybrid(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  return generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,7 +290,7 @@ def test_greedy_speculation_is_lossless(pair, noisy_drafter, plain3, rollback, d
   _, cfg, params = pair
   prompts = PROMPTS3[:batch]
   d = noisy_drafter if drafter == "draft" else NgramSimpleDevice(size_n=1, size_m=K)
-  res = speculative_generate_hybrid(params, cfg, prompts, d, rollback=rollback, max_new_tokens=MAX_NEW)
+  res = speculative_generate(params, cfg, prompts, d, rollback=rollback, max_new_tokens=MAX_NEW)
   st = res.stats
   if drafter == "draft":
     assert 0.2 <= st.acceptance_rate <= 0.9, f"acceptance {st.acceptance_rate:.3f}: must be sometimes right, sometimes wrong"
@@ -343,10 +345,10 @@ def test_sampled_speculation_preserves_the_token_law(peaked, rollback):
   seeds = list(range(10_000, 10_000 + N_SEQ))
   prompts = [STAT_PROMPT] * N_SEQ
   sampling = SamplingParams.make(N_SEQ, seed=seeds, temperature=1.0)
-  spec = speculative_generate_hybrid(params, cfg, prompts, drafter, rollback=rollback, max_new_tokens=STAT_NEW,
+  spec = speculative_generate(params, cfg, prompts, drafter, rollback=rollback, max_new_tokens=STAT_NEW,
                                      sampling=sampling)
   assert 0.2 <= spec.stats.acceptance_rate <= 0.9, spec.stats.format()
-  plain = generate_plain_hybrid(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
+  plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
   c_spec, c_plain = _joint_counts(spec.tokens), _joint_counts(plain.tokens)
   _, df, p_plain = chi2_gof(c_plain, exact)
   assert p_plain >= P_PASS, f"plain sampling does not fit its own exact law (p={p_plain:.3g}, df={df})"
@@ -354,7 +356,7 @@ def test_sampled_speculation_preserves_the_token_law(peaked, rollback):
   assert p_spec >= P_PASS, f"speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
   _, df, p_two = chi2_two_sample(c_spec, c_plain)
   assert p_two >= P_PASS, f"speculative and plain samples differ (p={p_two:.3g}, df={df})"
-  colder = generate_plain_hybrid(params, cfg, prompts, max_new_tokens=STAT_NEW,
+  colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
                                  sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=0.7))
   _, _, p_cold = chi2_gof(_joint_counts(colder.tokens), exact)
   assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"

@@ -13,6 +13,7 @@ T new tokens per sequence are written at cache slots `length .. length+T-1`, at 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -165,6 +166,26 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
   logits, prenorm, tapped, (k, v) = model(tokens, cache, positions, masks, taps=tuple(taps), last_only=last)
   new_cache = KVCache(k=k, v=v, lengths=cache.lengths + n_new)
   return logits, {"prenorm": prenorm, "layers": tapped}, new_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderTarget:
+  """How the engine runs an attention-only target: the KV cache is its whole state, and rolling
+  back a rejected draft is setting the lengths (see `specjax.models.hybrid.HybridTarget`)."""
+
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
+    return KVCache.init(cfg, batch, capacity, dtype=dtype)
+
+  def forward(self, params, cfg: ModelConfig, tokens, state: KVCache, **kw):
+    return forward(params, cfg, tokens, state, **kw)
+
+  def verify(self, params, cfg: ModelConfig, tokens, state: KVCache, *, taps=()):
+    """-> (logits, taps, cache with all T tokens written, checkpoint: none needed)."""
+    return forward(params, cfg, tokens, state, taps=taps) + (None,)
+
+  def commit(self, params, cfg: ModelConfig, tokens, before: KVCache, after: KVCache, ckpt, n_keep) -> KVCache:
+    """The cache after the first n_keep [B] verified tokens: rollback by length."""
+    return after.with_lengths(before.lengths + n_keep)
 
 
 def logits_from_prenorm(params, cfg: ModelConfig, h):

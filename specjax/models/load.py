@@ -16,7 +16,7 @@ from specjax.models.weights import params_from_hf
 class LoadedModel:
   """A model ready to run: static config, parameter pytree, and (when known) its tokenizer."""
   name: str
-  cfg: ModelConfig
+  cfg: ModelConfig          # or a HybridConfig (specjax.models.hybrid) for hybrid targets
   params: Any
   tokenizer: Any = None
   source: str = ""
@@ -51,7 +51,12 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
       tokenizer = Tokenizer.from_gguf(reader)
   else:
     raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
-  cfg = from_hf_config(hf)
-  params = params_from_hf(cfg, tensors, dtype=dtype)
+  from specjax.models import hybrid
+  if hybrid.is_hybrid_hf_config(hf):     # attention + gated DeltaNet (Qwen3.5)
+    cfg = hybrid.hybrid_config_from_hf(hf)
+    params = hybrid.params_from_hf(cfg, tensors, dtype=dtype)
+  else:
+    cfg = from_hf_config(hf)
+    params = params_from_hf(cfg, tensors, dtype=dtype)
   return LoadedModel(name=Path(name_or_path).stem if not path.is_dir() else path.name,
                      cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))
