@@ -360,3 +360,20 @@ def test_sampled_speculation_preserves_the_token_law(peaked, rollback):
                                  sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=0.7))
   _, _, p_cold = chi2_gof(_joint_counts(colder.tokens), exact)
   assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+
+
+def test_api_and_cli_take_the_rollback_mode(hf_ckpt):
+  """`api.generate(..., rollback=)` reaches the engine: both modes reproduce plain greedy output on a
+  hybrid checkpoint loaded from disk, and an unknown mode is refused with a clear error."""
+  from specjax import api
+  from specjax.cli import main
+  target = api.load(str(hf_ckpt[3]))
+  kw = dict(chat=False, max_new_tokens=16, stop_at_eos=False)
+  plain = api.generate(target, PROMPTS3[:2], **kw).tokens
+  for mode in ("per_step", "redecode"):
+    spec = api.generate(target, PROMPTS3[:2], speculator="ngram_simple", rollback=mode, **kw)
+    assert spec.tokens == plain, mode
+  with pytest.raises(ValueError, match="rollback"):
+    api.generate(target, PROMPTS3[:1], speculator="ngram_simple", rollback="checkpoint", **kw)
+  with pytest.raises(SystemExit):
+    main(["generate", "--model", str(hf_ckpt[3]), "--spec", "ngram_simple", "--rollback", "checkpoint", "x"])
