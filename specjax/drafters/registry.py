@@ -13,6 +13,7 @@ HOST_SPECULATORS = {
     "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
 }
 MODEL_SPECULATORS = ("draft", "mtp")
+MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--head PATH; options block_size, window)
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 
 
@@ -57,6 +58,12 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     if head is None:
       raise ValueError("speculator 'mtp' needs a trained head (--head PATH)")
     return make_mtp_drafter(target, head, draft_params)
+  if name == "dflash":   # DFlash: one pass drafts a block; n_max <= block_size - 1
+    from specjax.drafters.dflash import make_dflash_drafter
+    if head is None:
+      raise ValueError("speculator 'dflash' needs a trained DFlash drafter (--head PATH)")
+    return make_dflash_drafter(target, head, draft_params,
+                               **{k: v for k, v in opts.items() if k in ("block_size", "window", "seed")})
   return _host(name, {k: v for k, v in opts.items() if k != "device"})
 
 

@@ -1,0 +1,308 @@
+"""Training a DFlash drafter on self-distillation data, target frozen.
+
+Per row, the frozen target runs once inside the loss (cheap for a small target on an accelerator;
+the data need not store taps) and gives the outputs of the tapped layers, fused by the drafter's
+`fc` + RMSNorm into context features. Then `anchors_per_row` random anchor positions a in the
+response each start a block `[x_a, MASK x (B-1)]` at positions a .. a+B-1; all blocks of a row go
+through the drafter in one pass with a block-diagonal mask: block a sees the context features of
+positions [a - window, a) (what the drafter's feature window holds when `last` = x_a sits at a)
+and its own block, non-causally. Block slot k predicts x_{a+k}; its loss weighs
+`exp(-(k-1) / gamma)`, against the data token (`loss: ce`) or the target's distribution there
+(`loss: kl`, soft cross-entropy). Metrics: loss, top-1 accuracy per block slot, and `tau_est`,
+the tokens per round a greedy verification of these blocks would give (1 + accepted prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.dflash import (DFlashConfig, block_inputs, concat_taps, init_dflash, model_of, save_dflash,
+                                     spread_taps)
+from specjax.models.config import ModelConfig
+from specjax.models.decoder import forward, logits_from_prenorm
+from specjax.state import KVCache
+from specjax.train.data import DataConfig
+from specjax.train.loop import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  n_taps: int = 5                    # target layers spread from 1 to N-3 (ignored when `taps` is given)
+  taps: tuple[int, ...] | None = None
+  n_layers: int = 2
+  block_size: int = 16
+  window: int = 256
+  ffn_dim: int | None = None         # MLP width of the drafter's layers (default: the target's)
+
+  def resolve(self, cfg: ModelConfig) -> DFlashConfig:
+    taps = tuple(self.taps) if self.taps else spread_taps(cfg.n_layers, self.n_taps)
+    return DFlashConfig(taps=taps, n_layers=self.n_layers, block_size=self.block_size, window=self.window,
+                        ffn_dim=self.ffn_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  anchors_per_row: int = 16          # blocks per row per step
+  gamma: float = 7.0                 # block slot k weighs exp(-(k-1) / gamma)
+  loss: str = "kl"                   # kl: soft cross-entropy to the target's distribution; ce: data tokens
+  batch_size: int = 16               # rows per step
+  max_len: int | None = None         # random windows of this many tokens (None: whole rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTrainSpec:
+  name: str
+  target: str = "smollm2-135m-instruct"
+  dtype: str = "float32"             # the target's (and the compute) dtype: bfloat16 on GPU
+  out_dir: str = "out/dflash"
+  export: str | None = None          # where the trained drafter goes (safetensors + json)
+  data: DataConfig = DataConfig()
+  extra_data: tuple[DataConfig, ...] = ()
+  drafter: DrafterConfig = DrafterConfig()
+  loss: LossConfig = LossConfig()
+  train: TrainConfig = TrainConfig()
+  train_seconds: float | None = None  # stop (and decay the schedule) to fit this much training time
+
+
+def load_spec(path: str | Path, **overrides) -> DFlashTrainSpec:
+  import yaml
+
+  from specjax.bench.config import ConfigError, _build
+  path = Path(path)
+  data = yaml.safe_load(path.read_text())
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: expected a mapping")
+  spec = _build(DFlashTrainSpec, data, path.name)
+  for key, val in overrides.items():   # "train.steps": 10, "dtype": "bfloat16", ...
+    if val is None:
+      continue
+    section, _, field = key.rpartition(".")
+    if section:
+      spec = dataclasses.replace(spec, **{section: dataclasses.replace(getattr(spec, section), **{field: val})})
+    else:
+      spec = dataclasses.replace(spec, **{field: val})
+  if spec.loss.loss not in ("kl", "ce"):
+    raise ConfigError(f"{path.name}: loss.loss must be 'kl' or 'ce', got {spec.loss.loss!r}")
+  if spec.dtype not in ("float32", "bfloat16"):
+    raise ConfigError(f"{path.name}: dtype must be float32 or bfloat16, got {spec.dtype!r}")
+  return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# the loss
+
+
+def anchor_blocks(dparams, tparams, cfg: ModelConfig, dc: DFlashConfig, tokens, layer_taps, anchors):
+  """The drafter's hidden states of the blocks at `anchors` [R, A], all in one pass: [R, A, B, D].
+  tokens [R, L]; layer_taps [R, L, n_taps * D] the target's taps along the rows. Block a sees the
+  context positions [a - window, a) and its own block."""
+  r, length = tokens.shape
+  a_n, bk = anchors.shape[1], dc.block_size
+  model = model_of(dparams, cfg, dc)
+  ctx = model.fuse(layer_taps)                                                     # [R, L, D]
+  x = block_inputs(dparams, tparams, cfg, dc, jnp.take_along_axis(tokens, anchors, axis=1))   # [R, A, B, D]
+  x = x.reshape(r, a_n * bk, cfg.d_model)
+  positions = (anchors[:, :, None] + jnp.arange(bk)[None, None, :]).reshape(r, a_n * bk)      # [R, A*B]
+  p = jnp.arange(length, dtype=jnp.int32)
+  ctx_vis = (p[None, None, :] < anchors[:, :, None]) & (p[None, None, :] >= anchors[:, :, None] - dc.window)
+  ctx_vis = jnp.repeat(ctx_vis, bk, axis=1)                                        # [R, A*B, L]
+  blk = jnp.arange(a_n * bk) // bk
+  blk_vis = jnp.broadcast_to((blk[:, None] == blk[None, :])[None], (r, a_n * bk, a_n * bk))
+  mask = jnp.concatenate([ctx_vis, blk_vis], axis=2)                               # [R, A*B, L + A*B]
+  ctx_pos = jnp.broadcast_to(p[None, :], (r, length))
+  h = model(x, positions, ctx, ctx_pos, mask)                                      # [R, A*B, D]
+  return h.reshape(r, a_n, bk, cfg.d_model)
+
+
+def sample_anchors(rng, lens, prompt_lens, length: int, n: int):
+  """n distinct anchor positions per row among a in [max(prompt_len, 1), len - 2] (an anchor is a
+  response token with at least one token after it). -> (anchors [R, n], valid [R, n])."""
+  p = jnp.arange(length)[None, :]
+  ok = (p >= jnp.maximum(prompt_lens, 1)[:, None]) & (p + 1 < lens[:, None])       # [R, L]
+  score = jnp.where(ok, jax.random.uniform(rng, ok.shape), -1.0)
+  top, idx = jax.lax.top_k(score, min(n, length))
+  return idx.astype(jnp.int32), top >= 0
+
+
+def _cast(tree, dtype):
+  return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@functools.lru_cache(maxsize=16)
+def make_loss_fn(cfg: ModelConfig, dc: DFlashConfig, lc: LossConfig, compute_dtype):
+  """loss_fn(dparams, target_params, batch, rng) -> (loss, metrics) for `specjax.train.loop.train`.
+  batch: tokens [R, L], lens [R], prompt_lens [R]. Cached, so the loop's jitted step is reused."""
+  bk = dc.block_size
+  weights = jnp.exp(-jnp.arange(bk - 1, dtype=jnp.float32) / lc.gamma)            # slot k = 1 .. B-1
+
+  @jax.checkpoint   # keep no [R, A, B-1, V] logits alive for the backward pass
+  def slot_nll(tparams, h, target_h, labels):
+    logp = jax.nn.log_softmax(logits_from_prenorm(tparams, cfg, h[None])[0], axis=-1)   # [N, V]
+    if target_h is not None:
+      tlogits = jax.lax.stop_gradient(logits_from_prenorm(tparams, cfg, target_h[None])[0])
+      tlogp = jax.nn.log_softmax(tlogits, axis=-1)
+      nll = -jnp.sum(jnp.exp(tlogp) * logp, axis=-1)
+      labels = jnp.argmax(tlogp, axis=-1)
+    else:
+      nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return nll, jnp.argmax(logp, axis=-1) == labels
+
+  def loss_fn(dparams, tparams, batch, rng):
+    tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
+    r, length = tokens.shape
+    cache = KVCache.init(cfg, r, length, dtype=jax.tree_util.tree_leaves(tparams)[0].dtype)
+    _, tapped, _ = forward(tparams, cfg, tokens, cache, n_new=lens, taps=dc.taps)
+    layer_taps = jax.lax.stop_gradient(concat_taps(tapped["layers"]))             # [R, L, n_taps * D]
+    prenorm = jax.lax.stop_gradient(tapped["prenorm"])
+    anchors, a_ok = sample_anchors(rng, lens, plens, length, lc.anchors_per_row)  # [R, A]
+    h = anchor_blocks(_cast(dparams, compute_dtype), tparams, cfg, dc, tokens, layer_taps, anchors)
+    tgt = anchors[:, :, None] + jnp.arange(1, bk)[None, None, :]                  # [R, A, B-1] predicted positions
+    valid = a_ok[:, :, None] & (tgt < lens[:, None, None])
+    tgt_c = jnp.minimum(tgt, length - 1)
+    flat = lambda x: x.reshape((-1,) + x.shape[3:])
+    labels = flat(jnp.take_along_axis(tokens, tgt_c.reshape(r, -1), axis=1).reshape(tgt.shape))
+    target_h = None
+    if lc.loss == "kl":   # the target's distribution for x_{a+k}: its logits at position a+k-1
+      target_h = flat(jnp.take_along_axis(prenorm, (tgt_c - 1).reshape(r, -1, 1), axis=1).reshape(tgt.shape + (-1,)))
+    nll, hit = slot_nll(tparams, flat(h[:, :, 1:]), target_h, labels)
+    nll, hit = nll.reshape(tgt.shape), hit.reshape(tgt.shape) & valid                # [R, A, B-1]
+    w = weights[None, None, :] * valid
+    loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-6)
+    n_slot = jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1)
+    metrics = {f"acc_{k + 1:02d}": jnp.sum(hit[..., k]) / n_slot[k] for k in range(bk - 1)}
+    accepted = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=-1), axis=-1)        # [R, A]
+    metrics["tau_est"] = jnp.sum(jnp.where(a_ok, 1 + accepted, 0)) / jnp.maximum(jnp.sum(a_ok), 1)
+    metrics["blocks"] = jnp.sum(a_ok).astype(jnp.float32)
+    return loss, metrics
+
+  return loss_fn
+
+
+# ----------------------------------------------------------------------------------------------
+# data and training within a time budget
+
+
+def build_data(target, dcs, *, seconds: float | None = None, progress: bool = True, dtype_name=None) -> list[Path]:
+  """Build the datasets `dcs` (the main one first). With `seconds`, the main dataset grows shard by
+  shard until the budget would be exceeded (timed on its first two shards), the others in full."""
+  from specjax.train.data import build_dataset
+  t0 = time.perf_counter()
+  main, extras = dcs[0], list(dcs[1:])
+  out = [build_dataset(target, dc, progress=progress, dtype_name=dtype_name) for dc in extras]
+  if seconds is None:
+    return [build_dataset(target, main, progress=progress, dtype_name=dtype_name)] + out
+  bs = main.batch_size
+  n = min(bs, main.n_sequences)
+  build_dataset(target, dataclasses.replace(main, n_sequences=n), progress=progress, dtype_name=dtype_name)
+  if n < main.n_sequences:
+    t1 = time.perf_counter()
+    n = min(2 * bs, main.n_sequences)
+    build_dataset(target, dataclasses.replace(main, n_sequences=n), progress=progress, dtype_name=dtype_name)
+    per_shard = time.perf_counter() - t1
+    more = int(max(seconds - (time.perf_counter() - t0), 0) // max(per_shard, 1e-3))
+    n = min(n + more * bs, main.n_sequences)
+  path = build_dataset(target, dataclasses.replace(main, n_sequences=n), progress=progress, dtype_name=dtype_name)
+  return [path] + out
+
+
+def train_within(loss_fn, params, frozen, get_batch, tc: TrainConfig, out_dir, *, seconds: float | None,
+                 resume: bool = True, progress: bool = True):
+  """`specjax.train.loop.train`, shortened to fit `seconds`: a few steps compile, the next ones are
+  timed, then the run is set to the steps that fit (the cosine schedule ends there; the warmup, if
+  longer than the timed steps, is unchanged)."""
+  from specjax.train.loop import train
+  if seconds is None or tc.steps <= 30:
+    return train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress)
+  t0 = time.perf_counter()
+  res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress, stop_at=5)
+  t1 = time.perf_counter()
+  res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=True, progress=progress, stop_at=25)
+  per_step = (time.perf_counter() - t1) / max(res.step - 5, 1)
+  steps = min(tc.steps, res.step + int(max(seconds - (time.perf_counter() - t0), 0) / per_step))
+  if progress:
+    print(f"[train dflash] {per_step * 1e3:.1f} ms/step: {steps} steps fit {seconds:.0f} s", flush=True)
+  return train(loss_fn, params, frozen, get_batch, dataclasses.replace(tc, steps=max(steps, res.step)), out_dir,
+               resume=True, progress=progress)
+
+
+def _tree_size(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool = True, target=None) -> dict:
+  """Train the drafter of `spec` on its datasets; export it; write summary.json and the training
+  curve into out_dir; return the summary."""
+  from specjax.bench.env import device_info, git_revision
+  from specjax.models.load import load_model
+  from specjax.train.data import ShardDataset
+
+  dtype = jnp.dtype(spec.dtype)
+  target = target or load_model(spec.target, dtype=dtype, progress=progress)
+  cfg = target.cfg
+  dc = spec.drafter.resolve(cfg)
+  dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
+  ds = ShardDataset(dirs)
+  dparams = init_dflash(cfg, dc, seed=spec.train.seed, dtype=jnp.float32, target_params=target.params)
+  loss_fn = make_loss_fn(cfg, dc, spec.loss, dtype)
+  bs = spec.loss.batch_size
+  get_batch = lambda step: ds.batch(step, bs, seed=spec.train.seed, with_taps=False, max_len=spec.loss.max_len)
+  if progress:
+    print(f"[train dflash] {len(ds)} rows, {ds.n_response_tokens} response tokens; drafter {dc} of "
+          f"{_tree_size(dparams) / 1e6:.2f}M params; up to {spec.train.steps} steps of {bs} rows x "
+          f"{spec.loss.anchors_per_row} blocks ({spec.dtype})", flush=True)
+  res = train_within(loss_fn, dparams, target.params, get_batch, spec.train, spec.out_dir,
+                     seconds=spec.train_seconds, resume=resume, progress=progress)
+  summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
+             "final_metrics": res.metrics, "seconds_this_run": round(res.seconds, 1),
+             "resumed_from": res.resumed_from, "drafter": dataclasses.asdict(dc),
+             "params": _tree_size(dparams),
+             "dataset": {"dirs": dirs, "rows": len(ds), "response_tokens": ds.n_response_tokens},
+             "config": dataclasses.asdict(spec), "git_revision": git_revision(), "device": device_info(),
+             "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+  out = Path(spec.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  if spec.export:
+    w, c = save_dflash(spec.export, res.params, cfg, dc, extra={"training": summary})
+    summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
+  (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+  if res.metrics:
+    plot_curve(out / "metrics.jsonl", out / "training_curve.png",
+               title=f"{spec.name}: DFlash on {spec.target}, {res.step} steps")
+  return summary
+
+
+
+def plot_curve(jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
+  """Training curve: loss, top-1 accuracy of a few block slots, tau_est and the learning rate."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [json.loads(ln) for ln in Path(jsonl).read_text().splitlines() if ln.strip()]
+  steps = np.asarray([r["step"] for r in rows])
+  win = max(1, len(rows) // 50)
+  smooth = lambda key: np.convolve([r.get(key, np.nan) for r in rows], np.ones(win) / win, mode="valid")
+  fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+  axes[0].plot(steps[win - 1:], smooth("loss"), lw=1.2)
+  axes[0].set(xlabel="step", title="loss (moving average)")
+  slots = sorted(k for k in rows[-1] if k.startswith("acc_"))
+  for key in [s for i, s in enumerate(slots) if i in (0, 1, 3, 7) or i == len(slots) - 1]:
+    axes[1].plot(steps[win - 1:], smooth(key), label=f"slot {int(key[4:])}", lw=1.2)
+  axes[1].set(xlabel="step", title="top-1 accuracy by block slot")
+  axes[1].legend(fontsize=8)
+  axes[2].plot(steps[win - 1:], smooth("tau_est"), lw=1.2, color="C3")
+  axes[2].set(xlabel="step", title="tau_est (greedy tokens per round on training blocks)")
+  axes[3].plot(steps, [r["lr"] for r in rows], color="k", lw=1)
+  axes[3].set(xlabel="step", title="learning rate")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=110)
+  plt.close(fig)
+  return Path(out_png)
