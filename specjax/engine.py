@@ -2,7 +2,9 @@
 
 Device drafters run every round inside one jitted `lax.while_loop` (no host round trip per
 round). Host drafters (n-gram maps, suffix trees) drive a host loop around one jitted
-verify-and-accept step. Both use `verify_and_accept`, so verification is the same code.
+verify-and-accept step. Both use `verify_and_accept`, so verification is the same code. Device
+drafters that propose token trees (`proposes_tree = True`, a `specjax.tree.TreeDraft`) go through
+`verify_tree_and_accept` instead, chosen statically.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import numpy as np
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
 from specjax.decode import prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
+from specjax.models.decoder import DecoderTarget
 from specjax.sampling import SamplingParams, shaped_probs, split_keys
 from specjax.stats import RoundStats, SpecStats
+from specjax.tree import TreeDraft, accept_tree, compact_path, max_depth_of, tree_attention_mask, tree_positions, tree_shape
 from specjax.verify import accept_drafts
 
 
@@ -51,18 +55,65 @@ def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, samp
   return state, n_acc, nxt, dlen, verified, tapped, live, n_out
 
 
+def verify_tree_and_accept(params, cfg, state: GenState, tree: TreeDraft, dp: dict, sampling: SamplingParams,
+                           stop_ids, max_new, max_depth: int, taps=()):
+  """Score [last, node_0..node_{T-1}] with the target in one pass (tree positions and ancestor
+  mask), accept the longest acceptable root-to-node path plus one token (`specjax.tree`), move the
+  path's KV entries into consecutive slots and emit. The node budget is dp["n_max"] (nodes past
+  it are padding; trees under dp["n_min"] nodes are not verified).
+  Returns (state, n_acc, next, n_nodes, depth reached, [last, path...] [B, D+1], taps along it,
+  live, n_out)."""
+  if not isinstance(target_of(cfg), DecoderTarget):
+    raise NotImplementedError(
+        "tree drafts are verified on attention-only targets; a hybrid target would need the recurrent "
+        "state of every tree node (use a chain drafter with hybrid targets)")
+  b, t = tree.tokens.shape
+  live = ~state.done
+  n_nodes = jnp.minimum(tree.n_nodes, dp["n_max"])
+  n_nodes = jnp.where((n_nodes < dp["n_min"]) | ~live, 0, n_nodes)                 # [B]
+  shape = tree_shape(tree.parents, n_nodes, max_depth)
+  base = state.cache.lengths                                                        # [B] position of `last`
+  verified = jnp.concatenate([state.last[:, None], tree.tokens], axis=1)           # [B, T+1]
+  logits, tapped, after = target_of(cfg).forward(params, cfg, verified, state.cache, taps=taps,
+                                                 positions=tree_positions(base, shape),
+                                                 attn_mask=tree_attention_mask(shape))    # [B, T+1, V]
+  p = shaped_probs(logits, sampling)
+  keys, use = split_keys(state.keys)
+  n_acc, path, nxt = accept_tree(p, dataclasses.replace(tree, n_nodes=n_nodes), shape, use, max_depth)
+  n_acc = jnp.where(live, n_acc, 0)
+  idx = jnp.arange(max_depth + 1)[None, :]
+  src = jnp.where(idx <= n_acc[:, None], jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path + 1], axis=1), 0)   # [B, D+1]
+  cache = compact_path(after, base, src).with_lengths(base + jnp.where(live, 1 + n_acc, 0))
+  on_path = jnp.take_along_axis(verified, src, axis=1)                             # [B, D+1] [last, path...]
+  on_path = jnp.where((idx == 0) | (idx <= n_acc[:, None]), on_path, 0)
+  emitted = jnp.where(idx == n_acc[:, None], nxt[:, None],
+                      jnp.concatenate([on_path[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1))   # [B, D+1]
+  gather = lambda h: jnp.take_along_axis(h, src[:, :, None], axis=1)              # [B, D+1, d_model]
+  tapped = {"prenorm": gather(tapped["prenorm"]), "layers": tuple(gather(h) for h in tapped["layers"])}
+  reach = jnp.max(jnp.where(shape.valid, shape.depth, 0), axis=1, initial=0)       # [B] deepest valid node
+  state = dataclasses.replace(state, cache=cache, keys=keys)
+  state, n_out = emit(state, emitted, jnp.where(live, n_acc + 1, 0), stop_ids, max_new)
+  return state, n_acc, nxt, n_nodes, reach, on_path, tapped, live, n_out
+
+
 def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, carry):
   state, dstate, stats = carry
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
                      target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, dp["n_max"]), p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
-  state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
-      params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
+  if getattr(drafter, "proposes_tree", False):   # static: tree drafters return a TreeDraft
+    state, n_acc, nxt, n_nodes, reach, verified, tapped, live, n_out = verify_tree_and_accept(
+        params, cfg, state, draft, dp, sampling, stop_ids, max_new, max_depth_of(drafter), taps=drafter.taps)
+    stats = stats.update(reach, n_acc, live, n_out, n_verified=n_nodes)
+  else:
+    state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
+        params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
+    stats = stats.update(dlen, n_acc, live, n_out)
   result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
                        layer_taps=tapped["layers"], live=live)
   dstate = drafter.commit(dparams, dstate, result)
-  return state, dstate, stats.update(dlen, n_acc, live, n_out)
+  return state, dstate, stats
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "capacity", "history_len"))
@@ -78,7 +129,8 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
 def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback="per_step"):
   """Every round of every sequence in one while_loop; shapes depend on capacity and history
   length only, so one compilation serves every prompt width."""
-  stats = RoundStats.zeros(state.last.shape[0], drafter.max_draft)
+  width = max_depth_of(drafter) if getattr(drafter, "proposes_tree", False) else drafter.max_draft
+  stats = RoundStats.zeros(state.last.shape[0], width)   # acceptance by position (trees: by depth)
   body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
   return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
 

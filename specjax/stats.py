@@ -22,8 +22,8 @@ class RoundStats:
   acc_drafts: jax.Array       # [B] rounds with at least one accepted draft token
   gen_tokens: jax.Array       # [B] draft tokens verified
   acc_tokens: jax.Array       # [B] draft tokens accepted
-  drafted_by_pos: jax.Array   # [K] rounds whose draft reached position i
-  accepted_by_pos: jax.Array  # [K] rounds whose draft was accepted through position i
+  drafted_by_pos: jax.Array   # [K] rounds whose draft reached position i (trees: depth i + 1)
+  accepted_by_pos: jax.Array  # [K] rounds whose draft was accepted through position i (trees: depth i + 1)
   emitted: jax.Array          # [B] tokens emitted by rounds (after stop-token / budget cuts)
 
   @staticmethod
@@ -31,15 +31,17 @@ class RoundStats:
     z = jnp.zeros((batch,), jnp.int32)
     return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z)
 
-  def update(self, dlen, n_acc, live, n_emitted) -> "RoundStats":
+  def update(self, dlen, n_acc, live, n_emitted, n_verified=None) -> "RoundStats":
+    """dlen [B]: draft length (chains) or depth reached (trees; then n_verified [B] = nodes verified)."""
     k = self.drafted_by_pos.shape[0]
+    n_verified = dlen if n_verified is None else n_verified
     pos = jnp.arange(k)[None, :]
     live_i = live.astype(jnp.int32)
     return RoundStats(
         rounds=self.rounds + live_i,
-        gen_drafts=self.gen_drafts + (live & (dlen > 0)).astype(jnp.int32),
+        gen_drafts=self.gen_drafts + (live & (n_verified > 0)).astype(jnp.int32),
         acc_drafts=self.acc_drafts + (live & (n_acc > 0)).astype(jnp.int32),
-        gen_tokens=self.gen_tokens + dlen * live_i,
+        gen_tokens=self.gen_tokens + n_verified * live_i,
         acc_tokens=self.acc_tokens + n_acc * live_i,
         drafted_by_pos=self.drafted_by_pos + jnp.sum((pos < dlen[:, None]) & live[:, None], axis=0),
         accepted_by_pos=self.accepted_by_pos + jnp.sum((pos < n_acc[:, None]) & live[:, None], axis=0),
@@ -88,7 +90,7 @@ class SpecStats:
 
   @property
   def acceptance_by_pos(self) -> list[float]:
-    """P(position i accepted | the draft reached position i)."""
+    """P(position i accepted | the draft reached position i); for tree drafts, by depth."""
     return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
 
   def to_dict(self) -> dict:

@@ -12,7 +12,7 @@ HOST_SPECULATORS = {
     "ngram_cache": ("specjax.drafters.ngram", "NgramCache"),
     "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
 }
-MODEL_SPECULATORS = ("draft", "mtp")
+MODEL_SPECULATORS = ("draft", "mtp", "draft_tree")
 MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--head PATH; options block_size, window)
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 
@@ -34,7 +34,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     raise ValueError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
   options = options or {}
   if len(names) > 1:
-    if "draft" in names or "mtp" in names:
+    if any(n in MODEL_SPECULATORS for n in names):
       raise ValueError("chains of the model drafter with host speculators are not supported yet; "
                        "chain host speculators (ngram_*, suffix)")
     from specjax.drafters.chain import Chain
@@ -53,6 +53,8 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     return NgramModDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
   if name == "draft":
     return make_draft_model_drafter(target, draft_model, draft_params, **opts)
+  if name == "draft_tree":
+    return make_draft_tree_speculator(target, draft_model, **opts)
   if name == "mtp":
     from specjax.drafters.mtp import make_mtp_drafter
     if head is None:
@@ -83,3 +85,10 @@ def make_draft_model_drafter(target, draft_model, draft_params=None, **opts):
     import numpy as np
     n_max = int(np.max(np.asarray(draft_params.n_max)))
   return DraftModelDrafter(cfg=draft_model.cfg, max_draft=max(n_max, 1), weights=draft_model.params, **opts)
+
+
+def make_draft_tree_speculator(target, draft_model, **opts):
+  """`draft_tree`: the draft model drafts a token tree (options depth, top_k, width)."""
+  from specjax.drafters.draft_model_tree import DraftModelTreeDrafter
+  plain = make_draft_model_drafter(target, draft_model)          # loads the model and checks compatibility
+  return DraftModelTreeDrafter(cfg=plain.cfg, weights=plain.weights, **opts)

@@ -1,0 +1,120 @@
+"""`draft_tree`: a smaller model with the target's vocabulary drafts a token tree by top-k expansion.
+
+Layout (static): level 1 holds the draft model's top-k tokens after `last`; every deeper level
+expands the `width` nodes of the level above with the highest cumulative log-probability, each
+into its own top-k tokens. With k = top_k, w = width, D = depth the tree has
+k + sum_{d=2..D} min(w, n_{d-1}) * k nodes, in level order (parents before children).
+
+Candidates are a deterministic function of the context, so the engine verifies them with one-hot
+q (`TreeDraft.q = None`), which is lossless at any temperature.
+
+Cache: the draft model's KV cache holds the committed tokens. `propose` first feeds the committed
+tokens it lacks (the accepted path and `last`: at most depth + 1, a fixed window with a per-sequence
+count), then scores the tree level by level: each level is one forward of all T nodes at tree
+positions with the ancestor mask, written past the committed length and never committed (n_new = 0).
+`commit` has nothing to do: the next `propose` catches up from the history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import DraftContext, RoundResult
+from specjax.models.config import ModelConfig
+from specjax.models.decoder import forward
+from specjax.state import KVCache
+from specjax.tree import TreeDraft, tree_shape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftTreeState:
+  cache: KVCache              # draft model's KV cache: committed tokens only
+
+
+def level_sizes(top_k: int, width: int, depth: int) -> tuple[int, ...]:
+  """Nodes per level 1..depth."""
+  sizes = [top_k]
+  for _ in range(1, depth):
+    sizes.append(min(width, sizes[-1]) * top_k)
+  return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelTreeDrafter:
+  """Device tree drafter backed by a smaller model. Hashable by its static configuration."""
+  cfg: ModelConfig
+  depth: int = 3
+  top_k: int = 2
+  width: int = 2
+  weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+  name: str = "draft_tree"
+  on_device: bool = True
+  proposes_tree: bool = True
+  taps: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.depth < 1 or self.top_k < 1 or self.width < 1:
+      raise ValueError(f"depth, top_k and width must be >= 1, got {self.depth}, {self.top_k}, {self.width}")
+    if self.top_k > self.cfg.vocab_size:
+      raise ValueError(f"top_k {self.top_k} exceeds the vocabulary ({self.cfg.vocab_size})")
+
+  @property
+  def max_draft(self) -> int:          # node budget T
+    return sum(level_sizes(self.top_k, self.width, self.depth))
+
+  @property
+  def max_depth(self) -> int:
+    return self.depth
+
+  def params(self):
+    return self.weights
+
+  def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity: int) -> DraftTreeState:
+    b = prompt_tokens.shape[0]
+    cache = KVCache.init(self.cfg, b, capacity, dtype=jax.tree_util.tree_leaves(dparams)[0].dtype)
+    _, _, cache = forward(dparams, self.cfg, prompt_tokens, cache, n_new=prompt_lens)
+    return DraftTreeState(cache=cache)
+
+  def propose(self, dparams, dstate: DraftTreeState, ctx: DraftContext) -> tuple[TreeDraft, DraftTreeState]:
+    b, t, k = ctx.last.shape[0], self.max_draft, self.top_k
+    sizes = level_sizes(k, self.width, self.depth)
+    starts = [sum(sizes[:d]) for d in range(self.depth)]
+    cache = dstate.cache
+    # Catch up on the committed tokens the draft cache lacks: history[Ld .. Lt] (`last` included).
+    missing = jnp.maximum(ctx.target_len + 1 - cache.lengths, 0)                    # [B] in 0..depth+1
+    window = self.depth + 1
+    cols = cache.lengths[:, None] + jnp.arange(window)[None, :]
+    feed = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, D+1]
+    logits, _, cache = forward(dparams, self.cfg, feed, cache, n_new=missing)       # [B, D+1, V]
+    at_last = jnp.take_along_axis(logits, jnp.maximum(missing - 1, 0)[:, None, None], axis=1)[:, 0]   # [B, V]
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(at_last.astype(jnp.float32), axis=-1), k)   # [B, k]
+
+    tokens = jnp.zeros((b, t), jnp.int32).at[:, :k].set(tok)
+    parents = jnp.full((b, t), -1, jnp.int32)
+    score = jnp.full((b, t), -jnp.inf, jnp.float32).at[:, :k].set(logp)             # cumulative log-prob
+    slot_depth = jnp.concatenate([jnp.full((n,), d + 1, jnp.int32) for d, n in enumerate(sizes)])   # [T] static
+    positions = ctx.target_len[:, None] + slot_depth[None, :]                       # [B, T]
+    for d in range(1, self.depth):
+      prev, n_prev = starts[d - 1], sizes[d - 1]
+      shape = tree_shape(parents, jnp.full((b,), t, jnp.int32))
+      mask = shape.ancestors                                                        # [B, T, T]
+      logits, _, _ = forward(dparams, self.cfg, tokens, cache, positions=positions, n_new=jnp.zeros((b,), jnp.int32),
+                             attn_mask=mask)                                        # [B, T, V]
+      lp = jax.nn.log_softmax(logits[:, prev:prev + n_prev].astype(jnp.float32), axis=-1)   # [B, n_prev, V]
+      n_exp = sizes[d] // k
+      best_score, best = jax.lax.top_k(score[:, prev:prev + n_prev], n_exp)         # [B, n_exp] expanded nodes
+      child_lp, child_tok = jax.lax.top_k(jnp.take_along_axis(lp, best[:, :, None], axis=1), k)   # [B, n_exp, k]
+      start = starts[d]
+      tokens = tokens.at[:, start:start + sizes[d]].set(child_tok.reshape(b, -1))
+      parents = parents.at[:, start:start + sizes[d]].set(jnp.repeat(prev + best, k, axis=1))
+      score = score.at[:, start:start + sizes[d]].set((best_score[:, :, None] + child_lp).reshape(b, -1))
+    n_nodes = jnp.minimum(ctx.n_max, t).astype(jnp.int32)
+    return TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes), DraftTreeState(cache=cache)
+
+  def commit(self, dparams, dstate: DraftTreeState, result: RoundResult) -> DraftTreeState:
+    return dstate     # the cache holds committed tokens only; `propose` catches up from the history
