@@ -13,6 +13,7 @@ HOST_SPECULATORS = {
     "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
 }
 MODEL_SPECULATORS = ("draft", "mtp", "draft_tree")
+MODEL_SPECULATORS += ("eagle3", "eagle3_tree")      # EAGLE-3 heads (--head PATH): chain / EAGLE-2 tree
 MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--head PATH; options block_size, window)
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 
@@ -60,6 +61,12 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     if head is None:
       raise ValueError("speculator 'mtp' needs a trained head (--head PATH)")
     return make_mtp_drafter(target, head, draft_params)
+  if name in ("eagle3", "eagle3_tree"):   # EAGLE-3 heads: chains, or EAGLE-2 trees (opts: depth, top_k, seed)
+    from specjax.drafters.eagle3 import make_eagle3_drafter
+    if head is None:
+      raise ValueError(f"speculator {name!r} needs a trained EAGLE-3 head (--head PATH)")
+    return make_eagle3_drafter(target, head, draft_params, tree=name == "eagle3_tree",
+                               **{k: v for k, v in opts.items() if k in ("depth", "top_k", "seed")})
   if name == "dflash":   # DFlash: one pass drafts a block; n_max <= block_size - 1
     from specjax.drafters.dflash import make_dflash_drafter
     if head is None:

@@ -5,6 +5,8 @@
   specjax train mtp  --config configs/mtp_smollm2.yaml --dtype bfloat16 --steps 4000   # on a GPU
   specjax train eval-mtp --config configs/mtp_smollm2.yaml --n-max 1,2,3,4   # tau on MT-bench
   specjax generate --spec mtp --head assets/mtp_smollm2/mtp_head.safetensors --n-max 3 --chat "..."
+  specjax train eagle3 --config configs/eagle3_smollm2.yaml        # data (if missing) + TTT training + export
+  specjax train eval-eagle3 --config configs/eagle3_smollm2.yaml --out out/eagle3_eval.json
 """
 
 from __future__ import annotations
@@ -99,3 +101,70 @@ def add_train_commands(subparsers) -> None:
   e.add_argument("--batch-size", type=int, default=None, help="prompts per call (default: all at once)")
   e.add_argument("--out", default=None, help="write the result JSON here")
   e.set_defaults(func=cmd_eval)
+  add_eagle3_commands(tsub, common)
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3 heads
+
+
+def cmd_eagle3(args) -> int:
+  from specjax.train.eagle3 import load_spec, run_training
+  spec = load_spec(args.config, **_overrides(args), time_budget_s=args.time_budget)
+  summary = run_training(spec, resume=not args.no_resume, progress=not args.quiet)
+  print(json.dumps({k: summary[k] for k in ("name", "steps", "final_metrics", "seconds_this_run", "data_seconds")
+                    + (("export",) if "export" in summary else ())}, indent=1))
+  return 0
+
+
+def cmd_eval_eagle3(args) -> int:
+  from pathlib import Path
+
+  import jax.numpy as jnp
+
+  from specjax.models.load import load_model
+  from specjax.train.eagle3 import load_spec
+  from specjax.train.eagle3_eval import evaluate_eagle3, plot_eval
+  spec = load_spec(args.config, dtype=args.dtype)
+  target = load_model(spec.target, dtype=jnp.dtype(spec.dtype))
+  depth, top_k, budget = (int(x) for x in args.tree.split(","))
+  res = evaluate_eagle3(target, args.head or spec.export, prompt_set=args.prompts, n_questions=args.n_questions,
+                        n_max=tuple(int(x) for x in args.n_max.split(",")),
+                        tree={"depth": depth, "top_k": top_k, "budget": budget},
+                        temperatures=tuple(float(x) for x in args.temperatures.split(",")),
+                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, mtp_head=args.mtp_head,
+                        progress=not args.quiet)
+  res["config"] = args.config
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+  plot_eval(res, Path(args.out).with_suffix(".png"))
+  print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+  return 0
+
+
+def add_eagle3_commands(tsub, common) -> None:
+  a = tsub.add_parser("eagle3", help="build the data if needed, train an EAGLE-3 head (training-time test), export it")
+  common(a)
+  a.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
+  a.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the config's)")
+  a.add_argument("--n-sequences", type=int, default=None, help="rows of the main dataset (default: the config's)")
+  a.add_argument("--time-budget", type=float, default=None,
+                 help="cap the steps so training takes about this many seconds (timed after compilation)")
+  a.add_argument("--out-dir", default=None, help="checkpoints + metrics.jsonl (default: the config's)")
+  a.add_argument("--export", default=None, help="where to write the head (default: the config's)")
+  a.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+  a.set_defaults(func=cmd_eagle3)
+
+  e = tsub.add_parser("eval-eagle3", help="tau, acceptance and tokens/s of an EAGLE-3 head: chains and trees")
+  common(e)
+  e.add_argument("--head", default=None, help="head file (default: the config's export)")
+  e.add_argument("--prompts", default="mt_bench", help="prompt set (first turns)")
+  e.add_argument("--n-questions", type=int, default=16, help="first N questions")
+  e.add_argument("--n-max", default="1,2,3,4,5", help="comma-separated chain lengths")
+  e.add_argument("--tree", default="6,8,48", help="depth,top_k,budget of the tree drafter")
+  e.add_argument("--temperatures", default="0,0.7")
+  e.add_argument("--max-new-tokens", type=int, default=128)
+  e.add_argument("--batch-size", type=int, default=8)
+  e.add_argument("--mtp-head", default=None, help="also run this MTP head's chain (comparison)")
+  e.add_argument("--out", required=True, help="result JSON (and a PNG next to it)")
+  e.set_defaults(func=cmd_eval_eagle3)
