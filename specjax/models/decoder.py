@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels.verify_attention import RaggedMask, causal_new_mask
 from specjax.models.config import ModelConfig
 from specjax.models.layers import MLP, Attention, Linear, RMSNorm
 from specjax.state import KVCache, check_capacity
@@ -39,8 +40,9 @@ class Block(nnx.Module):
     self.sandwich = cfg.sandwich_norm
 
   def __call__(self, x, positions, write_kv, masks):
-    mask = masks["sliding" if self.sliding else "full"]
-    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, write_kv, mask)
+    kind = "sliding" if self.sliding else "full"
+    ragged = masks.get("ragged", {}).get(kind)
+    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, write_kv, masks[kind], ragged)
     if self.sandwich:   # gemma3: norm the attention output, then a pre-norm and post-norm around the MLP
       x = x + self.post_attention_layernorm(attn_out)
       x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -92,7 +94,9 @@ class Transformer(nnx.Module):
 
 
 def attention_masks(cfg: ModelConfig, lengths, positions, capacity: int, attn_mask=None):
-  """Visibility masks [B, T, S] for full and sliding layers.
+  """Visibility masks [B, T, S] for full and sliding layers, and under "ragged" the same masks as
+  `RaggedMask`s (lengths + the mask among the new tokens) for the verification-attention kernel
+  (None for sliding-window layers, which stay on the dense mask).
 
   lengths [B] committed slots; positions [B, T] rotary positions of the new tokens;
   attn_mask [B, T, T] bool among the new tokens (default causal).
@@ -115,6 +119,8 @@ def attention_masks(cfg: ModelConfig, lengths, positions, capacity: int, attn_ma
     masks["sliding"] = full & near
   else:
     masks["sliding"] = full
+  ragged = RaggedMask(lengths, causal_new_mask(b, t) if attn_mask is None else attn_mask)
+  masks["ragged"] = {"full": ragged, "sliding": None if cfg.sliding_window else ragged}
   return masks
 
 

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-NEG_INF = -1e30
+from specjax.kernels import verify_attention
+
+NEG_INF = verify_attention.NEG_INF
 
 
 class Linear(nnx.Module):
@@ -64,19 +66,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-  """Grouped-query attention over the whole cache.
-
-  q [B, T, H, D]; k, v [B, S, KVH, D]; mask [B, T, S] bool (True = visible). -> [B, T, H, D]
-  """
-  b, t, h, d = q.shape
-  kvh = k.shape[2]
-  qg = q.reshape(b, t, kvh, h // kvh, d).astype(k.dtype)                          # [B, T, KVH, G, D]
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)                  # [B, KVH, G, T, S]
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)   # [B, T, KVH, G, D]
-  return out.reshape(b, t, h, d)
+attend = verify_attention.attend_reference   # XLA attention over a dense [B, T, S] mask
 
 
 class Attention(nnx.Module):
@@ -95,8 +85,9 @@ class Attention(nnx.Module):
     self.theta = cfg.rope_local_theta if (sliding and cfg.rope_local_theta) else cfg.rope_theta
     self.scale = cfg.scale
 
-  def __call__(self, x, positions, write_kv, mask):
-    """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S]."""
+  def __call__(self, x, positions, write_kv, mask, ragged=None):
+    """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S];
+    ragged: the same mask as lengths + a mask among the new tokens, when it is one (the kernel's input)."""
     b, t, _ = x.shape
     qkv = self.qkv_proj(x)                                                        # [B, T, (H+2KVH)*D]
     nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -107,7 +98,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
     k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
-    out = attend(q, k_all, v_all, mask, self.scale)                               # [B, T, H, D]
+    out = verify_attention.attention(q, k_all, v_all, mask, self.scale, ragged)   # [B, T, H, D]
     return self.o_proj(out.reshape(b, t, -1)), (k_all, v_all)
 
 

@@ -1,0 +1,347 @@
+"""Verification attention: T new queries per sequence over a KV cache with per-sequence lengths.
+
+A speculative round scores K+1 chain tokens (causal among themselves) or T tree nodes (an
+ancestor mask [B, T, T]) against every committed slot of its sequence. The new tokens' K/V are
+already written at slots `length .. length+T-1` (`KVCache.write`); slots at or past `length + T`
+are stale and never enter the result.
+
+Two implementations of one function:
+- `attend_reference`: the XLA math over a dense visibility mask [B, T, S] (every slot of the
+  cache is scored, then masked);
+- `pallas_verify_attention`: a Pallas (Triton lowering) split-K kernel. One program handles one
+  (sequence, KV head, row block, split): the G query heads sharing the KV head times the T new
+  tokens form the M dimension of its matmuls, so each K/V block is read once per group. The
+  committed slots `[0, length)` are cut into `n_splits` ranges (only blocks below `length` are
+  read: the cache's capacity costs nothing), and one extra program per (sequence, head) scores
+  the T new slots under the chain / tree mask. Partial results are merged with their
+  log-sum-exp weights in XLA.
+
+`attention` dispatches: the kernel on GPU (T > 1, and T = 1 if SPECJAX_VERIFY_ATTENTION_DECODE=1),
+the reference elsewhere; SPECJAX_VERIFY_ATTENTION=xla|pallas|auto (or `set_impl`) forces either.
+On a CPU, `pallas` runs the kernel in Pallas interpret mode (tests). Under `auto` each new kernel
+shape is compiled and checked against the reference once; if that fails, a warning is logged once
+and the reference is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30
+IMPL_ENV = "SPECJAX_VERIFY_ATTENTION"            # auto (default) | pallas | xla
+DECODE_ENV = "SPECJAX_VERIFY_ATTENTION_DECODE"   # "1": the kernel also serves one-token decode
+MAX_ROWS = 512                                   # G*T above this (prefill) stays on the reference
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedMask:
+  """What the dense visibility mask is made of, for the kernel: slot s is visible to new token t
+  iff s < lengths, or s = lengths + u (u < T, s < capacity) with new_mask[t, u]."""
+  lengths: jax.Array      # [B] int32 committed slots
+  new_mask: jax.Array     # [B, T, T] bool among the new tokens (causal, or a tree's ancestors)
+
+
+def causal_new_mask(batch: int, t: int) -> jax.Array:
+  """[B, T, T] bool: new token t sees new tokens u <= t."""
+  ar = jnp.arange(t)
+  return jnp.broadcast_to(ar[None, :] <= ar[:, None], (batch, t, t))
+
+
+def dense_visibility(ragged: RaggedMask, capacity: int) -> jax.Array:
+  """The [B, T, S] bool mask a RaggedMask stands for."""
+  b, t, _ = ragged.new_mask.shape
+  slot = jnp.arange(capacity, dtype=jnp.int32)[None, :]                          # [1, S]
+  rel = slot - ragged.lengths[:, None]                                           # [B, S]
+  is_new = (rel >= 0) & (rel < t)
+  rel_c = jnp.clip(rel, 0, t - 1)
+  new_visible = jnp.take_along_axis(ragged.new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, capacity)), axis=2)
+  return (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)              # [B, T, S]
+
+
+def attend_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+  """Grouped-query attention over the whole cache (XLA).
+
+  q [B, T, H, D]; k, v [B, S, KVH, D]; mask [B, T, S] bool (True = visible). -> [B, T, H, D] f32
+  """
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d).astype(k.dtype)                          # [B, T, KVH, G, D]
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)                  # [B, KVH, G, T, S]
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)   # [B, T, KVH, G, D]
+  return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Pallas kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Static block shapes of one kernel instance (all powers of two >= 16 but n_splits)."""
+  rows: int          # G*T query rows per (sequence, KV head), padded to a power of two
+  block_m: int       # rows per program
+  block_k: int       # cache slots per loop step
+  block_t: int       # new-token slots, T padded
+  n_splits: int      # programs over the committed slots of one (sequence, head, row block)
+  num_warps: int
+  num_stages: int = 2
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _sm_count() -> int:
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except Exception:   # noqa: BLE001 - no device info: H100's count
+    return 132
+
+
+def tiling_for(batch: int, t: int, n_heads: int, n_kv: int, head_dim: int, capacity: int,
+               sm_count: int | None = None) -> Tiling | None:
+  """Block shapes for these sizes, or None where the kernel does not apply (prefill-sized T,
+  head_dim not a power of two)."""
+  if n_heads % n_kv or head_dim != _pow2(head_dim) or not 16 <= head_dim <= 256:
+    return None
+  g = n_heads // n_kv
+  rows = max(16, _pow2(g * t))
+  if rows > MAX_ROWS:
+    return None
+  block_m = min(rows, 128, 16384 // head_dim)          # accumulator [block_m, D] f32 in registers
+  block_k = 64 if block_m * head_dim >= 8192 else 128
+  n_rb = rows // block_m
+  sms = sm_count or _sm_count()
+  per_split = batch * n_kv * n_rb
+  n_splits = max(1, min(64, -(-2 * sms // per_split), -(-capacity // block_k)))
+  return Tiling(rows=rows, block_m=block_m, block_k=block_k, block_t=max(16, _pow2(t)),
+                n_splits=n_splits, num_warps=8 if block_m * head_dim >= 16384 else 4)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
+            scale: float, t: int, block_k: int, n_splits: int, precision):
+  """One (sequence, KV head, row block, split) program.
+
+  len_ref []; q_ref [BM, D]; k_ref, v_ref [S, D] (this sequence and head); vis_ref [BM, BT]
+  new-token visibility per row; out: o_ref [BM, D] (normalized partial), m_ref, l_ref [BM].
+  """
+  split = pl.program_id(2)
+  length = len_ref[()]
+  capacity = k_ref.shape[0]
+  q = q_ref[...]                                                                 # [BM, D]
+  bm, d = q.shape
+
+  def finish(o, m, l):   # plain stores (a ref assignment would also load the old block)
+    plgpu.store(o_ref, (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype))
+    plgpu.store(m_ref, m)
+    plgpu.store(l_ref, l)
+
+  @pl.when(split < n_splits)
+  def _committed():
+    n_blocks = (length + block_k - 1) // block_k
+    per = (n_blocks + n_splits - 1) // n_splits
+    lo = split * per
+    hi = jnp.minimum(lo + per, n_blocks)
+
+    def body(i, carry):
+      o, m, l = carry
+      start = i * block_k
+      valid = (start + jnp.arange(block_k)) < length                             # [BK]
+      k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)   # [BK, D]
+      s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale                # [BM, BK] f32
+      s = jnp.where(valid[None, :], s, NEG_INF)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))                                 # [BM]
+      corr = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[:, None])                                            # [BM, BK]
+      v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)
+      o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [BM, D]
+      return o, m_new, corr * l + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32),
+            jnp.zeros((bm,), jnp.float32))
+    finish(*lax.fori_loop(lo, hi, body, init))
+
+  @pl.when(split == n_splits)
+  def _new_tokens():
+    bt = vis_ref.shape[1]
+    u = jnp.arange(bt)
+    valid = (u < t) & (length + u < capacity)                                    # [BT]
+    k = plgpu.load(k_ref.at[pl.ds(length, bt), :], mask=valid[:, None], other=0.0)   # [BT, D]
+    v = plgpu.load(v_ref.at[pl.ds(length, bt), :], mask=valid[:, None], other=0.0)
+    vis = (vis_ref[...] != 0) & valid[None, :]                                   # [BM, BT]
+    s = jnp.where(vis, plgpu.dot(q, k, trans_b=True, precision=precision) * scale, NEG_INF)
+    m = jnp.max(s, axis=1)
+    p = jnp.where(vis, jnp.exp(s - m[:, None]), 0.0)
+    finish(plgpu.dot(p.astype(v.dtype), v, precision=precision), m, jnp.sum(p, axis=1))
+
+
+def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: RaggedMask, scale: float, *,
+                            tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
+  """Same result as `attend_reference(q, k, v, dense_visibility(ragged, S), scale)`.
+
+  q [B, T, H, D]; k, v [B, S, KVH, D] with the new tokens written; -> [B, T, H, D] f32.
+  """
+  b, t, h, d = q.shape
+  s_cap, kvh = k.shape[1], k.shape[2]
+  g = h // kvh
+  tl = tiling or tiling_for(b, t, h, kvh, d, s_cap)
+  if tl is None:
+    raise ValueError(f"no kernel tiling for T={t}, H={h}, KVH={kvh}, D={d}")
+  n_rb = tl.rows // tl.block_m
+  # rows r = t * G + g of each (sequence, KV head), padded to tl.rows
+  qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d).astype(k.dtype)
+  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, tl.rows - t * g), (0, 0)))             # [B, KVH, R, D]
+  row_t = jnp.minimum(jnp.arange(tl.rows) // g, t - 1)                           # [R] new token of a row
+  vis = jnp.take(ragged.new_mask, row_t, axis=1)                                 # [B, R, T]
+  vis = vis & (jnp.arange(tl.rows) < t * g)[None, :, None]
+  vis = jnp.pad(vis, ((0, 0), (0, 0), (0, tl.block_t - t))).astype(jnp.int32)   # [B, R, BT]
+  lengths = ragged.lengths.astype(jnp.int32)
+  n_out = tl.n_splits + 1
+
+  head = lambda hr: hr // n_rb
+  rblk = lambda hr: hr % n_rb
+  kernel = functools.partial(
+      _kernel, scale=float(scale), t=t, block_k=tl.block_k, n_splits=tl.n_splits,
+      precision=lax.Precision.HIGHEST if k.dtype == jnp.float32 else None)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, kvh * n_rb, n_out),
+      in_specs=[
+          pl.BlockSpec((None,), lambda i, hr, j: (i,)),
+          pl.BlockSpec((None, None, tl.block_m, d), lambda i, hr, j: (i, head(hr), rblk(hr), 0)),
+          pl.BlockSpec((None, s_cap, None, d), lambda i, hr, j: (i, 0, head(hr), 0)),
+          pl.BlockSpec((None, s_cap, None, d), lambda i, hr, j: (i, 0, head(hr), 0)),
+          pl.BlockSpec((None, tl.block_m, tl.block_t), lambda i, hr, j: (i, rblk(hr), 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, tl.block_m, d), lambda i, hr, j: (i, head(hr), j, rblk(hr), 0)),
+          pl.BlockSpec((None, None, None, tl.block_m), lambda i, hr, j: (i, head(hr), j, rblk(hr))),
+          pl.BlockSpec((None, None, None, tl.block_m), lambda i, hr, j: (i, head(hr), j, rblk(hr))),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows, d), k.dtype),
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows), jnp.float32),
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=tl.num_warps, num_stages=tl.num_stages),
+      interpret=interpret,
+      name="verify_attention",
+  )(lengths, qr, k, v, vis)
+  # log-sum-exp merge of the partials: weight of split j is l_j * exp(m_j - max m)
+  w = l * jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                         # [B, KVH, NS+1, R]
+  total = jnp.sum(w, axis=2)                                                     # [B, KVH, R]
+  out = jnp.einsum("bhjr,bhjrd->bhrd", w, o.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
+  out = out[:, :, :t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)      # [B, T, KVH, G, D]
+  return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+
+
+_forced_impl: str | None = None
+_probed: dict = {}
+_warned: set = set()
+
+
+def set_impl(impl: str | None) -> None:
+  """Force "pallas" or "xla" (or "auto"; None: back to the environment). Takes effect at the
+  next trace: jitted callers already compiled keep their choice (`jax.clear_caches()`)."""
+  global _forced_impl
+  if impl not in (None, "auto", "pallas", "xla"):
+    raise ValueError(f"unknown attention implementation {impl!r}")
+  _forced_impl = impl
+
+
+def current_impl() -> str:
+  impl = _forced_impl or os.environ.get(IMPL_ENV, "auto")
+  if impl not in ("auto", "pallas", "xla"):
+    raise ValueError(f"{IMPL_ENV}={impl!r}: expected auto, pallas or xla")
+  return impl
+
+
+def _warn_once(key, msg: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    log.warning(msg)
+
+
+def _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> bool:
+  """Compile the kernel for these shapes and compare it with the reference on random inputs,
+  once per shape (outside any trace). False, with a warning logged once, if either fails."""
+  key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)
+  if key not in _probed:
+    try:
+      rng = np.random.default_rng(0)
+      normal = lambda shape: rng.standard_normal(shape, np.float32)
+      scale = d ** -0.5
+      with jax.ensure_compile_time_eval():   # run now, also when called while tracing a caller
+        q = jnp.asarray(normal((b, t, h, d)), dtype)
+        k = jnp.asarray(normal((b, s_cap, kvh, d)), dtype)
+        v = jnp.asarray(normal((b, s_cap, kvh, d)), dtype)
+        lengths = jnp.asarray(rng.integers(0, s_cap - t + 1, b), jnp.int32)
+        ragged = RaggedMask(lengths, jnp.asarray(np.tril(np.ones((b, t, t), bool))))
+        got = jax.jit(functools.partial(pallas_verify_attention, scale=scale, tiling=tiling))(q, k, v, ragged)
+        want = jax.jit(lambda q, k, v, r: attend_reference(q, k, v, dense_visibility(r, s_cap), scale))(q, k, v, ragged)
+        err = float(jnp.max(jnp.abs(got - want)))
+      tol = 3e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-2   # wrong masks err by O(0.1..1)
+      _probed[key] = bool(err <= tol)
+      if not _probed[key]:
+        _warn_once(key, f"verify_attention kernel differs from the XLA reference by {err:.3g} at {key}; "
+                        "using the reference")
+    except Exception as e:  # noqa: BLE001 - any lowering / compile failure means: use the reference
+      _probed[key] = False
+      _warn_once(key, f"verify_attention kernel failed to compile for {key} ({type(e).__name__}: {e}); "
+                      "using the XLA reference")
+  return _probed[key]
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Tiling | None]:
+  """("pallas", tiling) or ("xla", None) for these shapes under the current setting."""
+  if ragged is None:
+    return "xla", None
+  impl = current_impl()
+  if impl == "xla":
+    return impl, None
+  b, t, h, d = q_shape
+  s_cap, kvh = k_shape[1], k_shape[2]
+  tiling = tiling_for(b, t, h, kvh, d, s_cap)
+  if tiling is None:
+    return "xla", None
+  if impl == "pallas":
+    return "pallas", tiling
+  wanted = t > 1 or os.environ.get(DECODE_ENV, "0") == "1"
+  if _on_gpu() and wanted and _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling):
+    return "pallas", tiling
+  return "xla", None
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+              ragged: RaggedMask | None = None) -> jax.Array:
+  """Attention of q [B, T, H, D] over the cache k, v [B, S, KVH, D] under `mask` [B, T, S]
+  (which `ragged`, when given, describes exactly). -> [B, T, H, D] f32."""
+  impl, tiling = choose(q.shape, k.shape, k.dtype, ragged)
+  if impl == "xla":
+    return attend_reference(q, k, v, mask, scale)
+  return pallas_verify_attention(q, k, v, ragged, scale, tiling=tiling,
+                                 interpret=not _on_gpu())
