@@ -20,7 +20,7 @@ from specjax.models.decoder import forward
 from specjax.models.hybrid import HybridConfig
 from specjax.sampling import SamplingParams, init_keys, shaped_probs
 from specjax.state import KVCache
-from specjax.tree import TreeDraft, accept_tree, tree_attention_mask, tree_positions, tree_shape
+from specjax.tree import TreeDraft, accept_tree, tree_shape
 
 # ----------------------------------------------------------------------------------------------
 # the tree sampler alone: an abstract target over a 5-token vocabulary
