@@ -77,12 +77,17 @@ def _window_map(win: FeatureWindow, r: int) -> dict[int, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def trained(tiny_llama, tmp_path_factory):
-  """A drafter trained 150 steps (soft cross-entropy to the tiny target) on random token rows:
-  right often enough at slot 1, wrong often enough."""
+  """A drafter trained 150 steps (soft cross-entropy to the tiny target) on rows that are half the
+  target's greedy continuations of random 3-token prompts (self-distillation), half random tokens:
+  right often enough, wrong often enough."""
   cfg, params = tiny_llama
+  rng = np.random.default_rng(0)
+  greedy = generate_plain(params, cfg, rng.integers(0, cfg.vocab_size, (16, 3)).tolist(), max_new_tokens=21).tokens
+  pool = np.concatenate([rng.integers(0, cfg.vocab_size, (16, 3)), np.asarray(greedy)], axis=1).astype(np.int32)
 
   def batch(step):
-    rows = np.random.default_rng(step).integers(0, cfg.vocab_size, (4, 24)).astype(np.int32)
+    r = np.random.default_rng(step)
+    rows = np.concatenate([pool[r.integers(0, len(pool), 2)], r.integers(0, cfg.vocab_size, (2, 24))]).astype(np.int32)
     return {"tokens": rows, "lens": np.full(4, 24, np.int32), "prompt_lens": np.full(4, 3, np.int32)}
 
   loss_fn = make_loss_fn(cfg, DC, LossConfig(anchors_per_row=6, batch_size=4, loss="kl"), jnp.dtype("float32"))
@@ -288,7 +293,7 @@ def _counts(tokens, v) -> np.ndarray:
 def test_greedy_is_lossless_batch_1_and_3(tiny_llama, trained):
   """Greedy speculation with `dflash` gives exactly plain decoding's tokens for one prompt alone and
   for three ragged prompts together, over 32 new tokens (contexts well past the 8-position window),
-  with acceptance strictly between 0 and 1 and fewer target passes than tokens."""
+  with drafts both accepted (at least 3 tokens) and rejected, and fewer target passes than tokens."""
   cfg, params = tiny_llama
   d = _drafter(cfg, params, trained)
   for prompts in ([PROMPTS3[1]], PROMPTS3):
@@ -296,8 +301,9 @@ def test_greedy_is_lossless_batch_1_and_3(tiny_llama, trained):
     plain = generate_plain(params, cfg, prompts, max_new_tokens=MAX_NEW)
     assert spec.tokens == plain.tokens, f"batch {len(prompts)}: greedy speculative output differs from plain"
     st = spec.stats
-    acc = sum(st.per_seq_acc_tokens) / max(sum(st.per_seq_gen_tokens), 1)
-    assert 0.05 <= acc <= 0.95, f"batch {len(prompts)}: acceptance {acc:.3f}"
+    n_acc, n_gen = sum(st.per_seq_acc_tokens), sum(st.per_seq_gen_tokens)
+    print(f"batch {len(prompts)}: {n_acc} of {n_gen} drafted tokens accepted in {sum(st.per_seq_rounds)} rounds")
+    assert 3 <= n_acc <= 0.95 * n_gen, f"batch {len(prompts)}: {n_acc} of {n_gen} drafts accepted"
     assert sum(st.per_seq_rounds) < len(prompts) * MAX_NEW
 
 

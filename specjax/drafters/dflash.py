@@ -133,9 +133,14 @@ def model_of(dparams, cfg: ModelConfig, dc: DFlashConfig) -> DFlashModel:
 
 
 def init_dflash(cfg: ModelConfig, dc: DFlashConfig, seed: int = 0, dtype=jnp.float32, target_params=None) -> dict:
-  """Drafter parameters (a pure dict). Matrices N(0, 1/d_in); the MASK embedding N(0, 1) scaled to
-  the RMS of the target's token embeddings when those are given."""
+  """Drafter parameters (a pure dict). Matrices N(0, 1/d_in), except each layer's output
+  projections (o_proj, down_proj), which start at zero: the residual branches start silent, so the
+  first logits are the LM head's on the block embeddings, not noise of large norm. The MASK
+  embedding is N(0, 1) scaled to the RMS of the target's token embeddings when those are given."""
   pure = nnx.to_pure_dict(nnx.split(DFlashModel(cfg, dc, dtype=dtype, rngs=nnx.Rngs(seed)))[1])
+  for layer in pure["layers"].values():
+    for proj in (layer["self_attn"]["o_proj"], layer["mlp"]["down_proj"]):
+      proj["kernel"] = jnp.zeros_like(proj["kernel"])
   if target_params is not None:
     emb = nnx.to_pure_dict(target_params)["embed_tokens"]["embedding"]
     rms = jnp.sqrt(jnp.mean(jnp.square(jnp.asarray(emb, jnp.float32))))

@@ -7,11 +7,14 @@
   specjax generate --spec mtp --head assets/mtp_smollm2/mtp_head.safetensors --n-max 3 --chat "..."
   specjax train eagle3 --config configs/eagle3_smollm2.yaml        # data (if missing) + TTT training + export
   specjax train eval-eagle3 --config configs/eagle3_smollm2.yaml --out out/eagle3_eval.json
+  specjax train dflash --config configs/dflash_smollm2.yaml --data-seconds 100 --train-seconds 170
+  specjax train eval-dflash --config configs/dflash_smollm2.yaml --out out/dflash_eval.json
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 
 def _overrides(args) -> dict:
@@ -102,6 +105,7 @@ def add_train_commands(subparsers) -> None:
   e.add_argument("--out", default=None, help="write the result JSON here")
   e.set_defaults(func=cmd_eval)
   add_eagle3_commands(tsub, common)
+  add_dflash_commands(tsub, common)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,17 +132,18 @@ def cmd_eval_eagle3(args) -> int:
   spec = load_spec(args.config, dtype=args.dtype)
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype))
   depth, top_k, budget = (int(x) for x in args.tree.split(","))
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  save = lambda res: out.write_text(json.dumps({**res, "config": args.config}, indent=1) + "\n")   # partial results too
   res = evaluate_eagle3(target, args.head or spec.export, prompt_set=args.prompts, n_questions=args.n_questions,
                         n_max=tuple(int(x) for x in args.n_max.split(",")),
                         tree={"depth": depth, "top_k": top_k, "budget": budget},
                         temperatures=tuple(float(x) for x in args.temperatures.split(",")),
                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, mtp_head=args.mtp_head,
-                        progress=not args.quiet)
-  res["config"] = args.config
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-  plot_eval(res, Path(args.out).with_suffix(".png"))
-  print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+                        progress=not args.quiet, on_result=save)
+  save(res)
+  plot_eval(res, out.with_suffix(".png"))
+  print(f"wrote {out} and {out.with_suffix('.png')}")
   return 0
 
 
@@ -168,3 +173,84 @@ def add_eagle3_commands(tsub, common) -> None:
   e.add_argument("--mtp-head", default=None, help="also run this MTP head's chain (comparison)")
   e.add_argument("--out", required=True, help="result JSON (and a PNG next to it)")
   e.set_defaults(func=cmd_eval_eagle3)
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash drafters
+
+
+def cmd_dflash(args) -> int:
+  import jax.numpy as jnp
+
+  from specjax.models.load import load_model
+  from specjax.train.dflash import build_data, load_spec, run_training
+  spec = load_spec(args.config, **_overrides(args), train_seconds=args.train_seconds)
+  target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
+  t0 = time.perf_counter()
+  if not args.no_data:   # resumable: shards already built are kept
+    build_data(target, (spec.data,) + spec.extra_data, seconds=args.data_seconds, progress=not args.quiet,
+               dtype_name=spec.dtype)
+  data_s = time.perf_counter() - t0
+  summary = run_training(spec, target=target, resume=not args.no_resume, progress=not args.quiet)
+  summary["data_seconds"] = round(data_s, 1)
+  print(json.dumps({k: summary[k] for k in ("name", "steps", "final_metrics", "seconds_this_run", "data_seconds")
+                    + (("export",) if "export" in summary else ())}, indent=1))
+  return 0
+
+
+def cmd_eval_dflash(args) -> int:
+  from pathlib import Path
+
+  import jax.numpy as jnp
+
+  from specjax.bench.env import device_info, git_revision
+  from specjax.models.load import load_model
+  from specjax.train.dflash import load_spec
+  from specjax.train.dflash_eval import evaluate, plot_eval
+  spec = load_spec(args.config, dtype=args.dtype)
+  target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
+  methods = {f"dflash n{n}": ("dflash", args.head or spec.export, int(n), {}) for n in args.n_max.split(",")}
+  if args.mtp_head:
+    methods["mtp n3"] = ("mtp", args.mtp_head, 3, {})
+  if args.eagle3_head:
+    methods["eagle3 n5"] = ("eagle3", args.eagle3_head, 5, {})
+  results = [evaluate(target, methods, prompt_set=name, n_questions=args.n_questions,
+                      temperatures=tuple(float(x) for x in args.temperatures.split(",")),
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=not args.quiet)
+             for name in args.prompts.split(",")]
+  out = {"config": args.config, "target": spec.target, "dtype": spec.dtype, "results": results,
+         "git_revision": git_revision(), "device": device_info()}
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+  plot_eval(results, Path(args.out).with_suffix(".png"), title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
+  print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+  return 0
+
+
+def add_dflash_commands(tsub, common) -> None:
+  a = tsub.add_parser("dflash", help="build the data (resumable), train a DFlash drafter, export it")
+  common(a)
+  a.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
+  a.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the config's)")
+  a.add_argument("--n-sequences", type=int, default=None, help="rows of the main dataset at most (default: the config's)")
+  a.add_argument("--data-seconds", type=float, default=None, help="grow the main dataset for about this long")
+  a.add_argument("--train-seconds", type=float, default=None, help="fit the training into about this many seconds")
+  a.add_argument("--no-data", action="store_true", help="train on the datasets as they are")
+  a.add_argument("--out-dir", default=None, help="checkpoints + metrics.jsonl (default: the config's)")
+  a.add_argument("--export", default=None, help="where to write the drafter (default: the config's)")
+  a.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+  a.set_defaults(func=cmd_dflash)
+
+  e = tsub.add_parser("eval-dflash", help="tau, acceptance by position and tokens/s of a DFlash drafter vs plain")
+  common(e)
+  e.add_argument("--head", default=None, help="drafter file (default: the config's export)")
+  e.add_argument("--prompts", default="mt_bench,humaneval", help="prompt sets (first turns)")
+  e.add_argument("--n-questions", type=int, default=16, help="first N questions of each")
+  e.add_argument("--n-max", default="15", help="comma-separated drafts per pass (<= block_size - 1)")
+  e.add_argument("--temperatures", default="0,0.7")
+  e.add_argument("--max-new-tokens", type=int, default=128)
+  e.add_argument("--batch-size", type=int, default=8)
+  e.add_argument("--mtp-head", default=None, help="also run this MTP head (n_max 3) side by side")
+  e.add_argument("--eagle3-head", default=None, help="also run this EAGLE-3 head (chain, n_max 5) side by side")
+  e.add_argument("--out", required=True, help="result JSON (and a PNG next to it)")
+  e.set_defaults(func=cmd_eval_dflash)

@@ -215,22 +215,26 @@ def build_data(target, dcs, *, seconds: float | None = None, progress: bool = Tr
 
 def train_within(loss_fn, params, frozen, get_batch, tc: TrainConfig, out_dir, *, seconds: float | None,
                  resume: bool = True, progress: bool = True):
-  """`specjax.train.loop.train`, shortened to fit `seconds`: a few steps compile, the next ones are
-  timed, then the run is set to the steps that fit (the cosine schedule ends there; the warmup, if
-  longer than the timed steps, is unchanged)."""
+  """`specjax.train.loop.train`, shortened to fit `seconds` of wall time (compilation included): 3
+  steps compile, the next few are timed (from the loop's own metrics log: checkpointing is not
+  counted), then the run is set to the steps that fit, so the cosine schedule ends there (the warmup
+  is unchanged when it is longer than the timed steps). Returns the loop's TrainResult."""
   from specjax.train.loop import train
-  if seconds is None or tc.steps <= 30:
+  timed = min(20, max(5, tc.steps // 10))
+  if seconds is None or tc.steps <= 3 + timed:
     return train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress)
   t0 = time.perf_counter()
-  res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress, stop_at=5)
-  t1 = time.perf_counter()
-  res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=True, progress=progress, stop_at=25)
-  per_step = (time.perf_counter() - t1) / max(res.step - 5, 1)
+  first = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress, stop_at=3)
+  res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=True, progress=progress,
+              stop_at=first.step + timed)
+  per_step = res.metrics["time"] / max(res.step - first.step, 1)
   steps = min(tc.steps, res.step + int(max(seconds - (time.perf_counter() - t0), 0) / per_step))
   if progress:
     print(f"[train dflash] {per_step * 1e3:.1f} ms/step: {steps} steps fit {seconds:.0f} s", flush=True)
-  return train(loss_fn, params, frozen, get_batch, dataclasses.replace(tc, steps=max(steps, res.step)), out_dir,
-               resume=True, progress=progress)
+  if steps <= res.step:
+    return res
+  return train(loss_fn, params, frozen, get_batch, dataclasses.replace(tc, steps=steps), out_dir, resume=True,
+               progress=progress)
 
 
 def _tree_size(tree) -> int:
@@ -258,22 +262,24 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
     print(f"[train dflash] {len(ds)} rows, {ds.n_response_tokens} response tokens; drafter {dc} of "
           f"{_tree_size(dparams) / 1e6:.2f}M params; up to {spec.train.steps} steps of {bs} rows x "
           f"{spec.loss.anchors_per_row} blocks ({spec.dtype})", flush=True)
+  t0 = time.perf_counter()
   res = train_within(loss_fn, dparams, target.params, get_batch, spec.train, spec.out_dir,
                      seconds=spec.train_seconds, resume=resume, progress=progress)
+  out = Path(spec.out_dir)
+  logged = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
-             "final_metrics": res.metrics, "seconds_this_run": round(res.seconds, 1),
+             "final_metrics": res.metrics or (logged[-1] if logged else {}),
+             "seconds_this_run": round(time.perf_counter() - t0, 1),
              "resumed_from": res.resumed_from, "drafter": dataclasses.asdict(dc),
              "params": _tree_size(dparams),
              "dataset": {"dirs": dirs, "rows": len(ds), "response_tokens": ds.n_response_tokens},
              "config": dataclasses.asdict(spec), "git_revision": git_revision(), "device": device_info(),
              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-  out = Path(spec.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   if spec.export:
     w, c = save_dflash(spec.export, res.params, cfg, dc, extra={"training": summary})
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-  if res.metrics:
+  if logged:
     plot_curve(out / "metrics.jsonl", out / "training_curve.png",
                title=f"{spec.name}: DFlash on {spec.target}, {res.step} steps")
   return summary
