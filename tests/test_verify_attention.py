@@ -206,3 +206,31 @@ def test_kernel_lowers_to_triton_for_cuda(shape):
       sds((b, t, h, d), jnp.bfloat16), sds((b, s_cap, kvh, d), jnp.bfloat16), sds((b, s_cap, kvh, d), jnp.bfloat16),
       ragged)
   assert "xla.gpu.triton" in exp.mlir_module()
+
+
+def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypatch):
+  """Under auto on a GPU the first trace of a shape checks the kernel eagerly (here inside a
+  jitted while_loop, as in the engine), records success, and the traced call uses the kernel."""
+  impl("auto")
+  monkeypatch.setattr(va, "_on_gpu", lambda: True)
+  monkeypatch.setattr(va, "_probed", {})
+  calls = []
+
+  def interpreted(*args, **kw):   # this CPU runs Pallas only in interpret mode
+    calls.append(kw.get("tiling"))
+    return va_kernel(*args, **{**kw, "interpret": True})
+
+  va_kernel = va.pallas_verify_attention
+  monkeypatch.setattr(va, "pallas_verify_attention", interpreted)
+  q, k, v, ragged = random_case(2, 4, 6, 2, 16, 40, jnp.float32, tree=False, seed=11)
+  mask = va.dense_visibility(ragged, 40)
+
+  def loop(q, k, v, m, r):
+    body = lambda i, acc: acc + va.attention(q, k, v, m, 0.25, r)
+    return jax.lax.fori_loop(0, 2, body, jnp.zeros(q.shape, jnp.float32))
+
+  out = jax.jit(loop)(q, k, v, mask, ragged)
+  assert list(va._probed.values()) == [True]
+  assert len(calls) == 2                                   # the probe's call and the traced call
+  np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(va.attend_reference(q, k, v, mask, 0.25)),
+                             atol=1e-5, rtol=1e-5)

@@ -25,6 +25,7 @@ and the reference is used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -216,9 +217,9 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
 
   head = lambda hr: hr // n_rb
   rblk = lambda hr: hr % n_rb
-  kernel = functools.partial(
-      _kernel, scale=float(scale), t=t, block_k=tl.block_k, n_splits=tl.n_splits,
-      precision=lax.Precision.HIGHEST if k.dtype == jnp.float32 else None)
+  # precision None: the backend's default for the dtype, as the reference's einsums get
+  kernel = functools.partial(_kernel, scale=float(scale), t=t, block_k=tl.block_k, n_splits=tl.n_splits,
+                             precision=None)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(b, kvh * n_rb, n_out),
@@ -282,33 +283,38 @@ def _warn_once(key, msg: str) -> None:
     log.warning(msg)
 
 
+def _probe(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> float:
+  """Max |kernel - reference| on random inputs of these shapes (compiles both)."""
+  rng = np.random.default_rng(0)
+  normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+  q, k, v = normal((b, t, h, d)), normal((b, s_cap, kvh, d)), normal((b, s_cap, kvh, d))
+  lengths = jnp.asarray(rng.integers(0, s_cap - t + 1, b), jnp.int32)
+  ragged = RaggedMask(lengths, jnp.asarray(np.tril(np.ones((b, t, t), bool))))
+  scale = d ** -0.5
+  got = jax.jit(functools.partial(pallas_verify_attention, scale=scale, tiling=tiling))(q, k, v, ragged)
+  want = jax.jit(lambda q, k, v, r: attend_reference(q, k, v, dense_visibility(r, s_cap), scale))(q, k, v, ragged)
+  return float(jnp.max(jnp.abs(got - want)))
+
+
 def _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> bool:
   """Compile the kernel for these shapes and compare it with the reference on random inputs,
-  once per shape (outside any trace). False, with a warning logged once, if either fails."""
+  once per shape. False, with a warning logged once, if either fails. Runs in a worker thread:
+  JAX's trace state is per thread, so the probe executes even while a caller is being traced."""
   key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)
   if key not in _probed:
-    try:
-      rng = np.random.default_rng(0)
-      normal = lambda shape: rng.standard_normal(shape, np.float32)
-      scale = d ** -0.5
-      with jax.ensure_compile_time_eval():   # run now, also when called while tracing a caller
-        q = jnp.asarray(normal((b, t, h, d)), dtype)
-        k = jnp.asarray(normal((b, s_cap, kvh, d)), dtype)
-        v = jnp.asarray(normal((b, s_cap, kvh, d)), dtype)
-        lengths = jnp.asarray(rng.integers(0, s_cap - t + 1, b), jnp.int32)
-        ragged = RaggedMask(lengths, jnp.asarray(np.tril(np.ones((b, t, t), bool))))
-        got = jax.jit(functools.partial(pallas_verify_attention, scale=scale, tiling=tiling))(q, k, v, ragged)
-        want = jax.jit(lambda q, k, v, r: attend_reference(q, k, v, dense_visibility(r, s_cap), scale))(q, k, v, ragged)
-        err = float(jnp.max(jnp.abs(got - want)))
-      tol = 3e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-2   # wrong masks err by O(0.1..1)
-      _probed[key] = bool(err <= tol)
-      if not _probed[key]:
-        _warn_once(key, f"verify_attention kernel differs from the XLA reference by {err:.3g} at {key}; "
-                        "using the reference")
-    except Exception as e:  # noqa: BLE001 - any lowering / compile failure means: use the reference
-      _probed[key] = False
-      _warn_once(key, f"verify_attention kernel failed to compile for {key} ({type(e).__name__}: {e}); "
-                      "using the XLA reference")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      try:
+        err = pool.submit(_probe, b, t, h, kvh, d, s_cap, dtype, tiling).result()
+      except Exception as e:  # noqa: BLE001 - any lowering / compile failure means: use the reference
+        _probed[key] = False
+        _warn_once(key, f"verify_attention kernel failed to compile for {key} ({type(e).__name__}: {e}); "
+                        "using the XLA reference")
+        return False
+    tol = 3e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-2   # a wrong mask errs by O(0.1..1)
+    _probed[key] = bool(err <= tol)
+    if not _probed[key]:
+      _warn_once(key, f"verify_attention kernel differs from the XLA reference by {err:.3g} at {key}; "
+                      "using the reference")
   return _probed[key]
 
 

@@ -1,0 +1,248 @@
+"""Verification attention on the GPU (issue 10, item 2): the Pallas kernel against the XLA reference.
+
+  python experiments/bench_verify_attention.py --out "$OUT"            # on the GPU machine
+  SMOKE=1 python experiments/bench_verify_attention.py --out /tmp/va   # tiny CPU run (interpret mode)
+
+1. Kernel time: one attention call (SmolLM2 heads 9/3 x 64, Qwen2.5-1.5B heads 12/2 x 128, bf16)
+   for context 1k/4k/16k (committed slots; capacity = context + 64), K 0 (one-token decode), 4, 8,
+   16 (T = K+1 causal), batch 1/8/32. Each implementation runs `--iters` dependent calls inside
+   one jitted fori_loop (so launch overhead is the device's, as inside a model, not Python's); the
+   median of `--repeats` loops over iters is the time per call. The max |kernel - reference| of
+   the first call is recorded too.
+2. End to end: speculative decoding of SmolLM2-135M-Instruct (real weights, bf16) with the device
+   ngram_simple drafter, n_max 8, greedy, the first turn of `--questions` MT-bench questions, batch
+   1 and 8, cache capacity `--capacity`: tokens/s with the XLA reference and with the kernel
+   (`auto`: what a user gets), in one process; outputs compared token for token.
+
+Writes verify_attention_<card>.json and .png into --out (partial JSON after every section; each
+section stops starting new work past its time budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.kernels import verify_attention as va  # noqa: E402
+
+MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}   # (q heads, kv heads, head_dim)
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def looped(attn, iters: int):
+  """jit: (first call's output, q after `iters` dependent calls). attn(q, k, v, mask, ragged)."""
+  def run(q, k, v, mask, ragged):
+    first = attn(q, k, v, mask, ragged)                                          # [B, T, H, D] f32
+    body = lambda i, x: (x.astype(jnp.float32) + 1e-3 * attn(x, k, v, mask, ragged)).astype(x.dtype)
+    return first, jax.lax.fori_loop(0, iters, body, q)
+  return jax.jit(run)
+
+
+def time_call(fn, args, repeats: int, iters: int) -> float:
+  jax.block_until_ready(fn(*args))                                              # compile + warm
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) / iters * 1e3
+
+
+def micro(args, budget_s: float) -> list[dict]:
+  rows, t_start = [], time.perf_counter()
+  interpret = not on_gpu()
+  rank = {4096: 0, 16384: 1}                       # the bar's contexts first, should time run out
+  groups = sorted(((ctx, model, batch) for model in args.models for batch in args.batch for ctx in args.context),
+                  key=lambda g: (rank.get(g[0], 2), g[1], g[2]))
+  for ctx, model, batch in groups:
+    h, kvh, d = MODELS[model]
+    scale = d ** -0.5
+    cap = ctx + 64
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((batch, cap, kvh, d), np.float32), jnp.bfloat16)   # [B, S, KVH, D]
+    v = jnp.asarray(rng.standard_normal((batch, cap, kvh, d), np.float32), jnp.bfloat16)
+    for kk in sorted(args.k, key=lambda x: (x == 0, x)):   # K = 0 (decode) last
+      t = kk + 1
+      row = {"model": model, "heads": [h, kvh, d], "batch": batch, "context": ctx, "capacity": cap, "k": kk}
+      if time.perf_counter() - t_start > budget_s:
+        rows.append({**row, "skipped": "time budget"})
+        continue
+      q = jnp.asarray(rng.standard_normal((batch, t, h, d), np.float32), jnp.bfloat16)      # [B, T, H, D]
+      ragged = va.RaggedMask(jnp.full((batch,), ctx, jnp.int32), va.causal_new_mask(batch, t))
+      mask = va.dense_visibility(ragged, cap)                                # [B, T, S], built once
+      tiling = va.tiling_for(batch, t, h, kvh, d, cap)
+      ref = looped(lambda q, k, v, m, r: va.attend_reference(q, k, v, m, scale), args.iters)
+      ker = looped(lambda q, k, v, m, r: va.pallas_verify_attention(q, k, v, r, scale, tiling=tiling,
+                                                                    interpret=interpret), args.iters)
+      try:
+        row["xla_ms"] = time_call(ref, (q, k, v, mask, ragged), args.repeats, args.iters)
+        row["pallas_ms"] = time_call(ker, (q, k, v, mask, ragged), args.repeats, args.iters)
+        row["speedup"] = row["xla_ms"] / row["pallas_ms"]
+        want, got = ref(q, k, v, mask, ragged)[0], ker(q, k, v, mask, ragged)[0]
+        row["max_abs_err"] = float(jnp.max(jnp.abs(got - want)))
+        row["tiling"] = dataclasses.asdict(tiling)
+      except Exception as e:  # noqa: BLE001 - record and go on: one failing shape must not lose the rest
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+      rows.append(row)
+      print({x: (round(y, 4) if isinstance(y, float) else y) for x, y in row.items() if x != "tiling"}, flush=True)
+  return rows
+
+
+def end_to_end(args, budget_s: float) -> dict:
+  from specjax.bench.prompts import load_prompt_set
+  from specjax.drafters.base import DraftParams
+  from specjax.drafters.registry import make_speculator
+  from specjax.engine import speculative_generate
+  from specjax.models.load import load_model
+  from specjax.sampling import SamplingParams
+
+  t_start = time.perf_counter()
+  target = load_model(args.model, dtype=jnp.bfloat16, progress=False)
+  tok = target.tokenizer
+  questions = load_prompt_set("mt_bench", limit=args.questions)
+  prompts = [tok.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+  dp = DraftParams(n_max=args.n_max)
+  drafter = make_speculator("ngram_simple", target, draft_params=dp)
+  stop = tuple(tok.eos_ids)
+  kernel_impl = "auto" if on_gpu() else "pallas"     # CPU smoke: force the (interpreted) kernel path
+
+  def generate(batch_prompts, max_new):
+    sampling = SamplingParams.make(len(batch_prompts), temperature=0.0)
+    return speculative_generate(target.params, target.cfg, batch_prompts, drafter, max_new_tokens=max_new,
+                                sampling=sampling, draft_params=dp, stop_ids=stop, capacity=args.capacity)
+
+  runs, outputs = [], {}
+  for impl in ("xla", kernel_impl):
+    va.set_impl(impl)
+    jax.clear_caches()                                # the choice is made at trace time: retrace
+    for batch in args.e2e_batch:
+      row = {"impl": impl, "batch": batch, "questions": len(prompts), "n_max": args.n_max,
+             "capacity": args.capacity, "max_new_tokens": args.max_new}
+      if time.perf_counter() - t_start > budget_s:
+        runs.append({**row, "skipped": "time budget"})
+        continue
+      groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+      t0 = time.perf_counter()
+      for g in groups:                                 # compile every shape (untimed): 2 new tokens
+        generate(g, 2)
+      row["warmup_s"] = time.perf_counter() - t0
+      secs, n_tok, toks, taus = 0.0, 0, [], []
+      for g in groups:
+        r = generate(g, args.max_new)
+        secs += r.seconds
+        n_tok += r.n_generated
+        toks += r.tokens
+        taus.append(float(r.stats.tau))
+      row.update(seconds=secs, new_tokens=n_tok, tokens_per_s=n_tok / secs, tau=statistics.mean(taus))
+      outputs[(impl, batch)] = toks
+      runs.append(row)
+      print(row, flush=True)
+  va.set_impl(None)
+  for row in runs:
+    if row["impl"] != "xla" and ("xla", row["batch"]) in outputs and (row["impl"], row["batch"]) in outputs:
+      a, b = outputs[("xla", row["batch"])], outputs[(row["impl"], row["batch"])]
+      row["equal_to_xla"] = sum(x == y for x, y in zip(a, b)) / len(a)
+      base = next(r for r in runs if r["impl"] == "xla" and r["batch"] == row["batch"])
+      row["speedup_vs_xla"] = row["tokens_per_s"] / base["tokens_per_s"]
+  probes = [{"shape": list(key[:6]), "dtype": key[6], "kernel_ok": ok} for key, ok in va._probed.items()]
+  return {"model": args.model, "speculator": "ngram_simple (device)", "runs": runs, "kernel_probes": probes}
+
+
+def plot(result: dict, path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  micro_rows = [r for r in result.get("micro", []) if "speedup" in r]
+  e2e = [r for r in result.get("end_to_end", {}).get("runs", []) if "tokens_per_s" in r]
+  fig, axes = plt.subplots(1, len(MODELS) + 1, figsize=(6 * (len(MODELS) + 1), 4.5))
+  for ax, model in zip(axes, MODELS):
+    rows = [r for r in micro_rows if r["model"] == model]
+    labels = sorted({(r["context"], r["k"]) for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    width = 0.8 / max(1, len(batches))
+    for i, b in enumerate(batches):
+      vals = [next((r["speedup"] for r in rows if r["batch"] == b and (r["context"], r["k"]) == lab), 0.0)
+              for lab in labels]
+      ax.bar(np.arange(len(labels)) + i * width, vals, width, label=f"batch {b}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.5, color="r", lw=0.8, ls="--", label="bar 1.5x")
+    ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2)
+    ax.set_xticklabels([f"{c // 1024 if c >= 1024 else c}{'k' if c >= 1024 else ''}\nK={k}" for c, k in labels],
+                       fontsize=7)
+    ax.set_ylabel("XLA time / kernel time")
+    ax.set_title(f"{model} heads {MODELS[model]}")
+    ax.legend(fontsize=7)
+  ax = axes[-1]
+  if e2e:
+    labels = [f"{r['impl']}\nbatch {r['batch']}" for r in e2e]
+    ax.bar(range(len(e2e)), [r["tokens_per_s"] for r in e2e], color=["C0" if r["impl"] == "xla" else "C1" for r in e2e])
+    ax.set_xticks(range(len(e2e)))
+    ax.set_xticklabels(labels, fontsize=8)
+  ax.set_ylabel("tokens/s")
+  ax.set_title("SmolLM2 + ngram_simple, MT-bench (end to end)")
+  fig.suptitle(f"verification attention, {result['device']['device_kind']} ({result['git_revision']})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+  smoke = os.environ.get("SMOKE") == "1"
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--models", nargs="+", default=list(MODELS) if not smoke else ["smollm2-135m"])
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32] if not smoke else [2])
+  ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384] if not smoke else [200])
+  ap.add_argument("--k", type=int, nargs="+", default=[0, 4, 8, 16] if not smoke else [4])
+  ap.add_argument("--iters", type=int, default=20 if not smoke else 2)
+  ap.add_argument("--repeats", type=int, default=5 if not smoke else 1)
+  ap.add_argument("--micro-budget-s", type=float, default=210)
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--questions", type=int, default=16 if not smoke else 2)
+  ap.add_argument("--e2e-batch", type=int, nargs="+", default=[1, 8] if not smoke else [1, 2])
+  ap.add_argument("--n-max", type=int, default=8 if not smoke else 4)
+  ap.add_argument("--capacity", type=int, default=4096 if not smoke else 256)
+  ap.add_argument("--max-new", type=int, default=256 if not smoke else 8)
+  ap.add_argument("--e2e-budget-s", type=float, default=200)
+  ap.add_argument("--skip-e2e", action="store_true")
+  args = ap.parse_args(argv)
+  out_dir = Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  dev = device_info()
+  card = dev["device_kind"].lower().replace("nvidia ", "").replace(" ", "_")
+  path = out_dir / f"verify_attention_{card}.json"
+  result = {"experiment": "verify_attention", "config": vars(args), "smoke": smoke, "git_revision": git_revision(),
+            "device": dev}
+
+  def save():
+    path.write_text(json.dumps(result, indent=1))
+    plot(result, path.with_suffix(".png"))
+
+  result["micro"] = micro(args, args.micro_budget_s)
+  save()
+  if not args.skip_e2e:
+    result["end_to_end"] = end_to_end(args, args.e2e_budget_s)
+    save()
+  ok = [r for r in result["micro"] if "speedup" in r and r["context"] >= 4096 and r["k"] > 0]
+  if ok:
+    print(f"context >= 4k, K > 0: kernel speedup min {min(r['speedup'] for r in ok):.2f}x, "
+          f"median {statistics.median(r['speedup'] for r in ok):.2f}x over {len(ok)} shapes")
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
