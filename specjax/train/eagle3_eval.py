@@ -25,8 +25,9 @@ def _questions(prompt_set: str, n_questions: int):
 def evaluate_eagle3(target, head, *, prompt_set: str = "mt_bench", n_questions: int = 16, n_max=(1, 2, 3, 4, 5),
                     tree: dict | None = None, temperatures=(0.0, 0.7), max_new_tokens: int = 128,
                     batch_size: int = 8, mtp_head=None, mtp_n_max: int = 3, seed: int = 0,
-                    progress: bool = True) -> dict:
-  """`tree`: {"depth", "top_k", "budget"} of the tree drafter (None: no tree runs)."""
+                    progress: bool = True, on_result=None) -> dict:
+  """`tree`: {"depth", "top_k", "budget"} of the tree drafter (None: no tree runs). `on_result(res)`
+  is called with the result so far after every configuration (e.g. to keep a partial JSON)."""
   from specjax.bench.env import device_info, git_revision
   from specjax.decode import generate_plain
   from specjax.drafters.base import DraftParams
@@ -86,6 +87,19 @@ def evaluate_eagle3(target, head, *, prompt_set: str = "mt_bench", n_questions: 
     from specjax.drafters.mtp import make_mtp_drafter
     mtp = make_mtp_drafter(target, mtp_head, DraftParams(n_max=mtp_n_max))
   results, plain_rows = [], []
+
+  def report():
+    return {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
+            "categories": [q.category for q in questions], "max_new_tokens": max_new_tokens,
+            "batch_size": batch_size, "temperatures": list(temperatures), "plain": plain_rows, "results": results,
+            "head": str(head), "mtp_head": str(mtp_head) if mtp_head else None, "git_revision": git_revision(),
+            "device": device_info()}
+
+  def add(row):
+    results.append(row)
+    if on_result is not None:
+      on_result(report())
+
   for temp in temperatures:
     toks, secs, _ = timed(lambda c: generate_plain(params, cfg, c, max_new_tokens=max_new_tokens,
                                                     sampling=sampling(len(c), temp), stop_ids=stop, capacity=cap))
@@ -102,18 +116,14 @@ def evaluate_eagle3(target, head, *, prompt_set: str = "mt_bench", n_questions: 
 
     for nm in n_max:
       out = spec(chain, DraftParams(n_max=nm))
-      results.append(summarize("chain", {"temperature": temp, "n_max": nm}, *out, plain, max(n_max) + 1))
+      add(summarize("chain", {"temperature": temp, "n_max": nm}, *out, plain, max(n_max) + 1))
     if tree_d is not None:
       out = spec(tree_d, DraftParams(n_max=tree["budget"]))
-      results.append(summarize("tree", {"temperature": temp, **tree}, *out, plain, tree["budget"] + 1))
+      add(summarize("tree", {"temperature": temp, **tree}, *out, plain, tree["budget"] + 1))
     if mtp is not None:
       out = spec(mtp, DraftParams(n_max=mtp_n_max))
-      results.append(summarize("mtp", {"temperature": temp, "n_max": mtp_n_max}, *out, plain, mtp_n_max + 1))
-  return {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
-          "categories": [q.category for q in questions], "max_new_tokens": max_new_tokens,
-          "batch_size": batch_size, "temperatures": list(temperatures), "plain": plain_rows, "results": results,
-          "head": str(head), "mtp_head": str(mtp_head) if mtp_head else None, "git_revision": git_revision(),
-          "device": device_info()}
+      add(summarize("mtp", {"temperature": temp, "n_max": mtp_n_max}, *out, plain, mtp_n_max + 1))
+  return report()
 
 
 def plot_eval(res: dict, out_png) -> None:
