@@ -8,7 +8,8 @@
 #      tokens, batch 8, greedy and temperature 0.7: tau, acceptance by position, tokens/s of DFlash and
 #      of the committed MTP head vs plain decoding in the same process -> $OUT/dflash_eval.{json,png}.
 #
-#   OUT=/tmp/out bash experiments/gpu_dflash.sh            # on the GPU machine (~7-8 min with compilation)
+#   OUT=/tmp/out bash experiments/gpu_dflash.sh            # on the GPU machine (~7.5 min with compilation)
+#   (DATA_S / TRAIN_S / EVAL_S seconds: 90 / 150 / 250 by default; NO_MTP=1 leaves out the MTP comparison)
 #   SMOKE=1 OUT=/tmp/dflash_smoke bash experiments/gpu_dflash.sh   # tiny CPU check of the whole pipeline
 #
 # Expects (the GPU machine sets them): PYTHONPATH with jax/flax/etc., SPECJAX_HOME holding
@@ -21,10 +22,10 @@ export SPECJAX_GIT_REV=${SPECJAX_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/nu
 mkdir -p "$OUT"
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  CONFIG=configs/dflash_smollm2_smoke.yaml; DTYPE=float32; DATA_S=20; TRAIN_S=40; WORK=out/dflash_smoke
+  CONFIG=configs/dflash_smollm2_smoke.yaml; DTYPE=float32; DATA_S=20; TRAIN_S=60; WORK=out/dflash_smoke
   EVAL="--n-questions 2 --max-new-tokens 16 --batch-size 2"
 else
-  CONFIG=configs/dflash_smollm2.yaml; DTYPE=bfloat16; DATA_S=${DATA_S:-100}; TRAIN_S=${TRAIN_S:-170}; WORK=out/dflash_smollm2
+  CONFIG=configs/dflash_smollm2.yaml; DTYPE=bfloat16; DATA_S=${DATA_S:-90}; TRAIN_S=${TRAIN_S:-150}; WORK=out/dflash_smollm2
   EVAL="--n-questions 16 --max-new-tokens 128 --batch-size 8"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
@@ -48,9 +49,11 @@ cp "$WORK/export/dflash.safetensors" "$WORK/export/dflash.json" "$WORK/training_
 cp "$WORK/summary.json" "$OUT/train_summary.json"
 
 MTP=assets/mtp_smollm2/mtp_head.safetensors
-python3 -m specjax.cli train eval-dflash --config "$CONFIG" --dtype "$DTYPE" --head "$WORK/export/dflash.safetensors" \
-  --prompts mt_bench,humaneval --temperatures 0,0.7 --n-max 15 $EVAL \
-  $([ -f "$MTP" ] && echo "--mtp-head $MTP") --out "$OUT/dflash_eval.json" --quiet
+# the JSON and PNG are rewritten after each prompt set: a run cut short keeps MT-bench
+timeout "${EVAL_S:-250}" python3 -m specjax.cli train eval-dflash --config "$CONFIG" --dtype "$DTYPE" \
+  --head "$WORK/export/dflash.safetensors" --prompts mt_bench,humaneval --temperatures 0,0.7 --n-max 15 $EVAL \
+  $([ -f "$MTP" ] && [ "${NO_MTP:-0}" != 1 ] && echo "--mtp-head $MTP") --out "$OUT/dflash_eval.json" --quiet \
+  || echo "[gpu_dflash] evaluation stopped early (exit $?); results so far are in $OUT"
 echo "[gpu_dflash] evaluation: $(( $(date +%s) - t1 )) s"
 python3 - "$OUT/dflash_eval.json" <<'PY'
 import json, sys

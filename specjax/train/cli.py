@@ -7,7 +7,7 @@
   specjax generate --spec mtp --head assets/mtp_smollm2/mtp_head.safetensors --n-max 3 --chat "..."
   specjax train eagle3 --config configs/eagle3_smollm2.yaml        # data (if missing) + TTT training + export
   specjax train eval-eagle3 --config configs/eagle3_smollm2.yaml --out out/eagle3_eval.json
-  specjax train dflash --config configs/dflash_smollm2.yaml --data-seconds 100 --train-seconds 170
+  specjax train dflash --config configs/dflash_smollm2.yaml --data-seconds 90 --train-seconds 150
   specjax train eval-dflash --config configs/dflash_smollm2.yaml --out out/dflash_eval.json
 """
 
@@ -203,10 +203,13 @@ def cmd_eval_dflash(args) -> int:
 
   import jax.numpy as jnp
 
+  import dataclasses
+
   from specjax.bench.env import device_info, git_revision
+  from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
   from specjax.train.dflash import load_spec
-  from specjax.train.dflash_eval import evaluate, plot_eval
+  from specjax.train.dflash_eval import evaluate, first_turns, plot_eval
   spec = load_spec(args.config, dtype=args.dtype)
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   methods = {f"dflash n{n}": ("dflash", args.head or spec.export, int(n), {}) for n in args.n_max.split(",")}
@@ -214,15 +217,20 @@ def cmd_eval_dflash(args) -> int:
     methods["mtp n3"] = ("mtp", args.mtp_head, 3, {})
   if args.eagle3_head:
     methods["eagle3 n5"] = ("eagle3", args.eagle3_head, 5, {})
-  results = [evaluate(target, methods, prompt_set=name, n_questions=args.n_questions,
-                      temperatures=tuple(float(x) for x in args.temperatures.split(",")),
-                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=not args.quiet)
-             for name in args.prompts.split(",")]
-  out = {"config": args.config, "target": spec.target, "dtype": spec.dtype, "results": results,
-         "git_revision": git_revision(), "device": device_info()}
+  sets = args.prompts.split(",")
+  widest = max(len(p) for name in sets for p in first_turns(target, name, args.n_questions)[1])
+  cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + max(m[2] for m in methods.values()) + 2, 64)
+  out = {"config": args.config, "spec": dataclasses.asdict(spec), "target": spec.target, "dtype": spec.dtype,
+         "results": [], "git_revision": git_revision(), "device": device_info()}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-  plot_eval(results, Path(args.out).with_suffix(".png"), title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
+  for name in sets:   # written after each prompt set: a run cut short keeps what it finished
+    out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=args.n_questions,
+                                   temperatures=tuple(float(x) for x in args.temperatures.split(",")),
+                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
+                                   progress=not args.quiet))
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    plot_eval(out["results"], Path(args.out).with_suffix(".png"),
+              title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
   print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
   return 0
 

@@ -227,7 +227,10 @@ def train_within(loss_fn, params, frozen, get_batch, tc: TrainConfig, out_dir, *
   first = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=resume, progress=progress, stop_at=3)
   res = train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=True, progress=progress,
               stop_at=first.step + timed)
-  per_step = res.metrics["time"] / max(res.step - first.step, 1)
+  if res.step <= first.step or "time" not in res.metrics:   # resumed past the timed steps: nothing to time
+    return res if res.step >= tc.steps else train(loss_fn, params, frozen, get_batch, tc, out_dir, resume=True,
+                                                  progress=progress)
+  per_step = res.metrics["time"] / (res.step - first.step)
   steps = min(tc.steps, res.step + int(max(seconds - (time.perf_counter() - t0), 0) / per_step))
   if progress:
     print(f"[train dflash] {per_step * 1e3:.1f} ms/step: {steps} steps fit {seconds:.0f} s", flush=True)
@@ -262,6 +265,9 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
     print(f"[train dflash] {len(ds)} rows, {ds.n_response_tokens} response tokens; drafter {dc} of "
           f"{_tree_size(dparams) / 1e6:.2f}M params; up to {spec.train.steps} steps of {bs} rows x "
           f"{spec.loss.anchors_per_row} blocks ({spec.dtype})", flush=True)
+  if not resume:   # start over: old checkpoints would be resumed from by the timed chunks
+    import shutil
+    shutil.rmtree(Path(spec.out_dir) / "checkpoints", ignore_errors=True)
   t0 = time.perf_counter()
   res = train_within(loss_fn, dparams, target.params, get_batch, spec.train, spec.out_dir,
                      seconds=spec.train_seconds, resume=resume, progress=progress)

@@ -24,8 +24,10 @@ def first_turns(target, prompt_set: str, n_questions: int) -> tuple[list, list[l
 
 def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions: int = 16,
              temperatures=(0.0, 0.7), max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-             progress: bool = True) -> dict:
-  """methods: {label: (speculator name, head path, n_max, options)}, each made by the registry."""
+             capacity: int | None = None, progress: bool = True) -> dict:
+  """methods: {label: (speculator name, head path, n_max, options)}, each made by the registry.
+  `capacity`: KV slots (default: enough for these prompts); one capacity for several prompt sets
+  lets their runs share compiled decode loops."""
   from specjax.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
@@ -37,7 +39,7 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
   stop = tuple(target.tokenizer.eos_ids)
   batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
   widest = max([m[2] for m in methods.values()] + [1])
-  cap = round_up(round_up(max(len(p) for p in prompts), PROMPT_BUCKET) + max_new_tokens + widest + 2, 64)
+  cap = capacity or round_up(round_up(max(len(p) for p in prompts), PROMPT_BUCKET) + max_new_tokens + widest + 2, 64)
   params, cfg = target.params, target.cfg
 
   def sampling(n, temp):
