@@ -33,7 +33,8 @@ from specjax.state import KVCache
 def random_case(b, t, h, kvh, d, s_cap, dtype, *, tree: bool, seed: int, full_lengths: bool = True):
   rng = np.random.default_rng(seed)
   normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-  q, k, v = normal((b, t, h, d)), normal((b, s_cap, kvh, d)), normal((b, s_cap, kvh, d))   # [B, T, H, D], [B, S, KVH, D]
+  q = normal((b, t, h, d))                                                        # [B, T, H, D]
+  k, v = normal((b, s_cap, kvh, d)), normal((b, s_cap, kvh, d))                   # [B, S, KVH, D]
   lengths = rng.integers(0, s_cap - t + 1, b)                                     # [B] ragged
   if full_lengths and b >= 2:   # the extremes: an empty history and a full cache
     lengths[0], lengths[1] = 0, s_cap - t

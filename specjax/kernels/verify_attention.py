@@ -247,7 +247,8 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
   # log-sum-exp merge of the partials: weight of split j is l_j * exp(m_j - max m)
   w = l * jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                         # [B, KVH, NS+1, R]
   total = jnp.sum(w, axis=2)                                                     # [B, KVH, R]
-  out = jnp.einsum("bhjr,bhjrd->bhrd", w, o.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
+  out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=2)                  # [B, KVH, R, D] (one fusion)
+  out = out / jnp.where(total > 0, total, 1.0)[..., None]
   out = out[:, :, :t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)      # [B, T, KVH, G, D]
   return out.reshape(b, t, h, d)
 
