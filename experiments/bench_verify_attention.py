@@ -127,10 +127,10 @@ def end_to_end(args, budget_s: float) -> dict:
                                 sampling=sampling, draft_params=dp, stop_ids=stop, capacity=args.capacity)
 
   runs, outputs = [], {}
-  for impl in ("xla", kernel_impl):
-    va.set_impl(impl)
-    jax.clear_caches()                                # the choice is made at trace time: retrace
-    for batch in args.e2e_batch:
+  for batch in args.e2e_batch:                       # pairs first: both implementations per batch size
+    for impl in ("xla", kernel_impl):
+      va.set_impl(impl)
+      jax.clear_caches()                              # the choice is made at trace time: retrace
       row = {"impl": impl, "batch": batch, "questions": len(prompts), "n_max": args.n_max,
              "capacity": args.capacity, "max_new_tokens": args.max_new}
       if time.perf_counter() - t_start > budget_s:
