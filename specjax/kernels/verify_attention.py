@@ -94,7 +94,7 @@ def attend_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """Static block shapes of one kernel instance (all powers of two >= 16 but n_splits)."""
+  """Static sizes of one kernel instance (rows and block_* are powers of two >= 16)."""
   rows: int          # G*T query rows per (sequence, KV head), padded to a power of two
   block_m: int       # rows per program
   block_k: int       # cache slots per loop step
@@ -148,7 +148,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
   q = q_ref[...]                                                                 # [BM, D]
   bm, d = q.shape
 
-  def finish(o, m, l):   # plain stores (a ref assignment would also load the old block)
+  def finish(o, m, l):   # the normalized partial and its log-sum-exp terms
     plgpu.store(o_ref, (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype))
     plgpu.store(m_ref, m)
     plgpu.store(l_ref, l)
