@@ -60,12 +60,14 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
              sampling: SamplingParams | dict | None = None, draft_params: DraftParams | dict | None = None,
              max_new_tokens: int = 128, chat: bool = True, stop_at_eos: bool = True,
              draft_model: LoadedModel | str | None = None, head: Any = None,
-             capacity: int | None = None, rollback: str = "per_step") -> Output:
+             capacity: int | None = None, rollback: str = "per_step", adaptive: bool = False) -> Output:
   """Generate for a batch of prompts (text or token lists), with or without speculation.
 
   rollback: how a hybrid (recurrent) target's state goes back after a rejected draft: "per_step"
   (verification keeps the state after each position) or "redecode" (restore the pre-verification
-  state and re-run the accepted tokens). Attention-only targets roll back by KV length either way."""
+  state and re-run the accepted tokens). Attention-only targets roll back by KV length either way.
+  adaptive: per-sequence draft lengths from running acceptance and a verification width chosen by
+  measured cost (`specjax.adaptive`); n_max is then the upper bound."""
   tokens = encode_prompts(target, prompts, chat)
   b = len(tokens)
   if isinstance(sampling, dict) or sampling is None:
@@ -82,7 +84,7 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
                              sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity,
-                             rollback=rollback)
+                             rollback=rollback, adaptive=adaptive)
     stats, seconds, out_tokens = r.stats, r.seconds, r.tokens
   texts = None
   if target.tokenizer is not None:

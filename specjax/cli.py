@@ -41,7 +41,7 @@ def cmd_generate(args) -> int:
   kw = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat)
   if args.spec and args.spec != "none":
     kw.update(speculator=args.spec, draft_model=args.draft_model, draft_params=draft_params, head=args.head,
-              rollback=args.rollback)
+              rollback=args.rollback, adaptive=args.adaptive)
   if args.warmup:   # compile once so tokens/s measures generation, not XLA compilation
     api.generate(target, prompts, **kw)
   out = api.generate(target, prompts, **kw)
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
   g.add_argument("--head", default=None, help="trained head (safetensors) for --spec mtp")
   g.add_argument("--rollback", choices=("per_step", "redecode"), default="per_step",
                  help="hybrid targets: keep per-position states in verification, or re-run accepted tokens")
+  g.add_argument("--adaptive", action="store_true",
+                 help="adaptive drafting: draft lengths follow running acceptance, back off when verification costs more")
   g.add_argument("--n-max", type=_csv(int), default=8, help="longest draft (per prompt: comma-separated)")
   g.add_argument("--n-min", type=_csv(int), default=0, help="shorter drafts are not verified")
   g.add_argument("--p-min", type=_csv(float), default=0.0, help="model drafters stop below this top-1 probability")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import adaptive as adapt
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
 from specjax.decode import prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
@@ -125,14 +126,62 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
   return state, dstate
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback"), donate_argnames=("state", "dstate"))
-def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback="per_step"):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "adaptive"),
+                   donate_argnames=("state", "dstate"))
+def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, costs=None, *, cfg, drafter,
+               rollback="per_step", adaptive=None):
   """Every round of every sequence in one while_loop; shapes depend on capacity and history
-  length only, so one compilation serves every prompt width."""
+  length only, so one compilation serves every prompt width. With `adaptive` (an
+  `specjax.adaptive.AdaptiveConfig`; `costs` [W] ms per verification width) each round picks its
+  verification width and per-sequence draft lengths (`_adaptive_round`)."""
   width = max_depth_of(drafter) if getattr(drafter, "proposes_tree", False) else drafter.max_draft
   stats = RoundStats.zeros(state.last.shape[0], width)   # acceptance by position (trees: by depth)
-  body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
-  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
+  if adaptive is None:
+    body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
+    return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
+  body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
+                           rollback, adaptive, costs)
+  ast = adapt.AdaptiveState.init(state.last.shape[0], adaptive)
+  state, dstate, stats, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats, ast))
+  return state, dstate, stats
+
+
+def _pad_to(x, width: int):
+  """[B, w, ...] -> [B, width, ...] with zeros."""
+  return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, ac, costs, carry):
+  """One round with the width chosen from running acceptance and measured costs: every width
+  is its own compiled branch (a `lax.switch`), so a narrow round costs a narrow forward."""
+  state, dstate, stats, ast = carry
+  if getattr(drafter, "proposes_tree", False):
+    raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
+  k = drafter.max_draft
+  widths = ac.widths_for(k)
+  live = ~state.done
+  wi, n_seq = adapt.choose(ast, costs, widths, dp["n_max"], live, ac.reach_min)
+  ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
+                     target_len=state.cache.lengths, n_max=n_seq, p_min=dp["p_min"],
+                     temperature=sampling.temperature)
+  draft, dstate = drafter.propose(dparams, dstate, ctx)
+
+  def branch(w, state):
+    d = Draft(tokens=draft.tokens[:, :w], lengths=jnp.minimum(draft.lengths, w),
+              q=None if draft.q is None else draft.q[:, :w])
+    state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
+        params, cfg, state, d, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
+    tapped = {"prenorm": _pad_to(tapped["prenorm"], k + 1), "layers": tuple(_pad_to(h, k + 1) for h in tapped["layers"])}
+    return state, n_acc, nxt, dlen, _pad_to(verified, k + 1), tapped, live, n_out
+
+  state, n_acc, nxt, dlen, verified, tapped, live, n_out = jax.lax.switch(
+      wi, [functools.partial(branch, w) for w in widths], state)
+  stats = stats.update(dlen, n_acc, live, n_out)
+  ast = adapt.update(ast, n_seq, dlen, n_acc, live, ac.decay)
+  result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
+                       layer_taps=tapped["layers"], live=live)
+  dstate = drafter.commit(dparams, dstate, result)
+  return state, dstate, stats, ast
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))
@@ -166,9 +215,10 @@ class SpecResult:
 def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_new_tokens: int = 128,
                          sampling: SamplingParams | None = None, draft_params: DraftParams | None = None,
                          stop_ids=(), capacity: int | None = None, warm_widths: bool = False,
-                         rollback: str = "per_step") -> SpecResult:
+                         rollback: str = "per_step", adaptive: "adapt.AdaptiveConfig | bool | None" = None) -> SpecResult:
   """Speculative generation of a ragged batch of token prompts with one drafter. `rollback`
-  ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection."""
+  ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection.
+  `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.adaptive`)."""
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
   sampling = sampling or SamplingParams.make(b)
@@ -177,20 +227,29 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   max_new = jnp.full((b,), max_new_tokens, jnp.int32)
   history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
+  if adaptive is True:
+    adaptive = adapt.AdaptiveConfig()
+  costs = None
+  if adaptive:   # measured once per shape (cached): a benchmark's warm-up pays for it
+    costs = (np.asarray(adaptive.costs, np.float32) if adaptive.costs is not None else
+             adapt.calibrate(params, cfg, b, cap, adaptive.widths_for(k), context=int(np.max(lens))))
+    if len(costs) != len(adaptive.widths_for(k)):
+      raise ValueError(f"adaptive.costs has {len(costs)} entries for widths {adaptive.widths_for(k)}")
   t0 = time.perf_counter()
   if drafter.on_device:
     dparams = drafter.params()
     state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                                   cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
-    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
-                                      drafter=drafter, rollback=rollback)
+    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
+                                      None if costs is None else jnp.asarray(costs), cfg=cfg, drafter=drafter,
+                                      rollback=rollback, adaptive=adaptive or None)
     if hasattr(drafter, "end_device"):
       drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
     state, stats, draft_seconds = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop,
-                                             max_new, cap, history_len, warm_widths, rollback)
+                                             max_new, cap, history_len, warm_widths, rollback, adaptive or None, costs)
     seconds = time.perf_counter() - t0
   outs = outputs_of(state)
   return SpecResult(tokens=outs, seconds=seconds,
@@ -198,8 +257,9 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
 
 
 def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len,
-               warm_widths=False, rollback="per_step"):
+               warm_widths=False, rollback="per_step", adaptive=None, costs=None):
   b, k = len(prompts), drafter.max_draft
+  control = adapt.HostController(adaptive, b, k, costs) if adaptive else None
   state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                       cfg=cfg, capacity=cap, history_len=history_len)
   stats = RoundStats.zeros(b, k)
@@ -221,16 +281,20 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
   takes_verified = "verified" in inspect.signature(drafter.accept).parameters
   while not done.all():
     t0 = time.perf_counter()
-    d_tok, d_len, _ = drafter.propose(histories, np.where(done, 0, n_max))
+    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done)
+    d_tok, d_len, _ = drafter.propose(histories, asked)
     draft_seconds += time.perf_counter() - t0
-    d_len = np.minimum(np.asarray(d_len, np.int32), n_max)
+    d_len = np.minimum(np.asarray(d_len, np.int32), np.minimum(n_max, asked))
     # Verify only as wide as this round's longest draft (power-of-two widths: few compilations).
     width = min(k, 1 << int(max(int(d_len.max()), 1) - 1).bit_length())
     d_tok = np.asarray(d_tok, np.int32).reshape(b, -1)[:, :width]
     state, stats, n_acc, dlen, new_tokens, n_new, done_dev = _host_round(
         params, state, stats, jnp.asarray(d_tok), jnp.asarray(d_len), sampling, dp, stop, max_new, cfg=cfg,
         rollback=rollback)
+    live = ~done
     n_acc, dlen, new_tokens, n_new, done = (np.asarray(x) for x in (n_acc, dlen, new_tokens, n_new, done_dev))
+    if control is not None:
+      control.observe(dlen, n_acc, live)
     t0 = time.perf_counter()
     if takes_verified:
       drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified

@@ -38,6 +38,7 @@ class MethodConfig:
   policy: str = "best"                              # chains: "best" | "first"
   options: dict = dataclasses.field(default_factory=dict)
   draft_params: DraftParamsConfig = DraftParamsConfig()
+  adaptive: bool | dict = False                     # adaptive drafting (true, or AdaptiveConfig fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from specjax.bench.prompts import Question, load_prompt_set
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
+from specjax.adaptive import AdaptiveConfig
 from specjax.engine import speculative_generate
 from specjax.generation import PROMPT_BUCKET, round_up
 from specjax.models.load import load_model
@@ -85,8 +86,11 @@ class _Runner:
               capacity=self.cfg.capacity or DEFAULT_CAPACITY)
     if self.drafter is None:
       return generate_plain(self.target.params, self.target.cfg, prompts, **kw)
+    ad = self.method.adaptive
+    adaptive = AdaptiveConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ad.items()}) \
+        if isinstance(ad, dict) else (AdaptiveConfig() if ad else None)
     return speculative_generate(self.target.params, self.target.cfg, prompts, self.drafter,
-                                draft_params=self.draft_params, warm_widths=warm, **kw)
+                                draft_params=self.draft_params, warm_widths=warm, adaptive=adaptive, **kw)
 
   def _snapshot(self):
     """Cross-request memory of the drafter (suffix global tree, ngram_mod table, ...), to restore

@@ -1,0 +1,185 @@
+"""Adaptive drafting: per-sequence draft lengths from running acceptance, and a batch-wide
+verification width chosen by measured cost, backing off to plain decoding when speculation does
+not pay.
+
+Each sequence i keeps an exponentially decayed estimate of its drafter's per-token acceptance
+alpha_i (censored-geometric maximum likelihood: accepted tokens / (accepted tokens + rejections))
+and of its draft yield rho_i (how often the drafter had a draft at all when asked). With draft
+length n its expected tokens per round are
+
+    E_i(n) = 1 + rho_i * (alpha_i + alpha_i^2 + ... + alpha_i^n).
+
+A sequence drafts at most n_i* tokens, the longest draft whose last token is still reached with
+probability alpha_i^n >= `reach_min` (its running acceptance sets its length). The verification
+width w is the same for the whole batch (verification is one [B, w+1] forward), taken from a few
+compiled widths; w = 0 is a plain decode step. The controller picks
+
+    w = argmax_w  sum_i E_i(min(w, n_i*)) / cost(B, w),
+
+with cost(B, w) the measured milliseconds of a target forward of w + 1 tokens at this batch
+size and capacity (`calibrate`, once per shape; it is cached). At large batches verification of
+many tokens stops being free (the forward becomes compute-bound), cost grows with w and the
+argmax moves to short drafts or to w = 0: speculation backs off by itself.
+
+Off / on: `speculative_generate(..., adaptive=AdaptiveConfig())`, bench methods `adaptive: true`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+  decay: float = 0.8              # weight of the past in the running estimates (per round)
+  reach_min: float = 0.2          # draft while the last token is reached with at least this probability
+  prior_alpha: float = 0.5        # starting per-token acceptance (weight `prior_weight` rounds)
+  prior_weight: float = 2.0
+  widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
+  costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
+
+  def widths_for(self, k: int) -> tuple[int, ...]:
+    if self.widths is not None:
+      ws = sorted({min(int(w), k) for w in self.widths} | {0})
+    else:
+      ws, w = {0, k}, 1
+      while w < k:
+        ws.add(w)
+        w *= 2
+      ws = sorted(ws)
+    return tuple(ws)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdaptiveState:
+  accepted: jax.Array   # [B] f32 decayed accepted draft tokens
+  trials: jax.Array     # [B] f32 decayed accepted tokens + rejections
+  yield_: jax.Array     # [B] f32 decayed fraction of asked rounds with a non-empty draft
+
+  @staticmethod
+  def init(batch: int, ac: AdaptiveConfig) -> "AdaptiveState":
+    full = lambda v: jnp.full((batch,), v, jnp.float32)
+    return AdaptiveState(accepted=full(ac.prior_alpha * ac.prior_weight), trials=full(ac.prior_weight),
+                         yield_=full(1.0))
+
+  @property
+  def alpha(self) -> jax.Array:
+    return jnp.clip(self.accepted / jnp.maximum(self.trials, 1e-6), 0.0, 0.999)
+
+
+def longest_useful(alpha, n_max, reach_min: float):
+  """[B] the longest n <= n_max with alpha^n >= reach_min (0 when even one token is not worth it)."""
+  logs = jnp.log(jnp.maximum(alpha, 1e-6))
+  n = jnp.floor(jnp.log(reach_min) / jnp.minimum(logs, -1e-6))
+  return jnp.clip(n, 0, n_max).astype(jnp.int32)
+
+
+def expected_tokens(alpha, rho, n):
+  """[B] 1 + rho * sum_{j=1..n} alpha^j."""
+  geo = alpha * (1.0 - alpha ** n) / jnp.maximum(1.0 - alpha, 1e-6)
+  return 1.0 + rho * geo
+
+
+def choose(ast: AdaptiveState, costs, widths: tuple[int, ...], n_max, live, reach_min: float):
+  """-> (index into widths (scalar int32), per-sequence draft lengths [B]). costs [len(widths)] ms."""
+  alpha = ast.alpha
+  n_star = longest_useful(alpha, n_max, reach_min)                                  # [B]
+  ws = jnp.asarray(widths, jnp.int32)                                               # [W]
+  n_w = jnp.minimum(ws[:, None], n_star[None, :])                                   # [W, B]
+  gain = jnp.sum(jnp.where(live[None, :], expected_tokens(alpha[None, :], ast.yield_[None, :], n_w), 0.0), axis=1)
+  wi = jnp.argmax(gain / costs).astype(jnp.int32)
+  return wi, jnp.where(live, jnp.minimum(ws[wi], n_star), 0)
+
+
+def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
+  """After a round: asked [B] requested draft lengths, dlen [B] verified lengths, n_acc [B]."""
+  drafted = live & (dlen > 0)
+  asked_ = live & (asked > 0)
+  rejected = (n_acc < dlen).astype(jnp.float32)
+  acc = jnp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
+  trials = jnp.where(drafted, decay * ast.trials + n_acc + rejected, ast.trials)
+  yld = jnp.where(asked_, decay * ast.yield_ + (1 - decay) * drafted.astype(jnp.float32), ast.yield_)
+  return AdaptiveState(accepted=acc, trials=trials, yield_=yld)
+
+
+# ----------------------------------------------------------------------------------------------
+# the cost of a verification width, measured
+
+
+_COSTS: dict = {}
+
+
+def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *, context: int = 0,
+              repeats: int = 5) -> np.ndarray:
+  """[len(widths)] median ms of one target forward of w + 1 tokens per sequence at this batch and
+  cache capacity (cache filled to `context`). Cached per shape, so a benchmark's warm-up pays it."""
+  from specjax.generation import target_of
+  dtype = jax.tree_util.tree_leaves(params)[0].dtype
+  key = (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
+  if key in _COSTS:
+    return _COSTS[key]
+  target = target_of(cfg)
+  ctx = min(context or capacity // 2, capacity - max(widths) - 1)
+  state = target.init_state(cfg, batch, capacity, dtype)
+  state = jax.tree_util.tree_map(lambda x: x, state)
+  if hasattr(state, "with_lengths"):
+    state = state.with_lengths(jnp.full((batch,), ctx, jnp.int32))
+  costs = []
+  for w in widths:
+    fwd = jax.jit(functools.partial(_forward_logits, target=target, cfg=cfg))
+    toks = jnp.zeros((batch, w + 1), jnp.int32)
+    jax.block_until_ready(fwd(params, toks, state))
+    ts = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fwd(params, toks, state))
+      ts.append(time.perf_counter() - t0)
+    costs.append(float(np.median(ts)) * 1e3)
+  out = np.maximum(np.asarray(costs, np.float32), 1e-3)
+  out = np.maximum.accumulate(out)      # a wider forward never costs less (timer noise aside)
+  _COSTS[key] = out
+  return out
+
+
+def _forward_logits(params, tokens, state, *, target, cfg):
+  logits, _, _ = target.forward(params, cfg, tokens, state)
+  return jnp.argmax(logits, axis=-1)     # what verification reads; keeps the LM head live
+
+
+class HostController:
+  """The same controller for the host loop (numpy, no device round trip): `lengths` before a
+  round, `observe` after it."""
+
+  def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray):
+    self.ac, self.widths, self.costs = ac, ac.widths_for(k), np.asarray(costs, np.float64)
+    self.accepted = np.full(batch, ac.prior_alpha * ac.prior_weight)
+    self.trials = np.full(batch, ac.prior_weight)
+    self.yield_ = np.ones(batch)
+    self.asked = np.zeros(batch, np.int64)
+
+  def lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
+    alpha = np.clip(self.accepted / np.maximum(self.trials, 1e-6), 0.0, 0.999)
+    logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
+    n_star = np.clip(np.floor(np.log(self.ac.reach_min) / logs), 0, n_max).astype(np.int64)
+    ws = np.asarray(self.widths)[:, None]
+    n_w = np.minimum(ws, n_star[None, :])
+    geo = alpha * (1.0 - alpha ** n_w) / np.maximum(1.0 - alpha, 1e-6)
+    gain = np.sum(np.where(live[None, :], 1.0 + self.yield_ * geo, 0.0), axis=1)
+    w = self.widths[int(np.argmax(gain / self.costs))]
+    self.asked = np.where(live, np.minimum(w, n_star), 0)
+    return self.asked
+
+  def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
+    d = self.ac.decay
+    drafted = live & (dlen > 0)
+    asked = live & (self.asked > 0)
+    self.accepted = np.where(drafted, d * self.accepted + n_acc, self.accepted)
+    self.trials = np.where(drafted, d * self.trials + n_acc + (n_acc < dlen), self.trials)
+    self.yield_ = np.where(asked, d * self.yield_ + (1 - d) * drafted, self.yield_)

@@ -1,0 +1,115 @@
+"""Adaptive drafting (specjax.adaptive): the controller's choices follow acceptance and cost, and
+generation with it stays lossless (greedy identical to plain decoding; sampled output keeps the
+target's law) on the device loop and the host loop, including rounds that back off to plain
+decoding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import chi2_gof, chi2_two_sample, perturb
+from specjax import adaptive as adapt
+from specjax.decode import generate_plain
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramSimple
+from specjax.engine import speculative_generate
+from specjax.sampling import SamplingParams
+from test_engine import N_SEQ, P_FAIL, P_PASS, STAT_NEW, STAT_PROMPT, _exact_law, _joint_counts, peaked_target  # noqa: F401
+
+K = 4
+MAX_NEW = 24
+PROMPTS3 = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+WIDTHS = (0, 2, 4)
+
+
+def _state(alphas, weight=50.0):
+  a = jnp.asarray(alphas, jnp.float32)
+  return adapt.AdaptiveState(accepted=a * weight, trials=jnp.full_like(a, weight), yield_=jnp.ones_like(a))
+
+
+def test_controller_follows_acceptance_and_cost():
+  """High acceptance and flat cost -> the widest width; the same acceptance with verification
+  cost growing steeply with width -> w = 0 (plain decoding); a sequence with low acceptance gets
+  a shorter draft than one with high acceptance in the same round; the host controller (numpy)
+  makes the same choice as the device one."""
+  live = jnp.ones(2, bool)
+  n_max = jnp.full(2, K, jnp.int32)
+  flat = jnp.asarray([1.0, 1.0, 1.0])
+  wi, n = adapt.choose(_state([0.9, 0.9]), flat, WIDTHS, n_max, live, reach_min=0.2)
+  assert WIDTHS[int(wi)] == 4 and n.tolist() == [4, 4]
+  steep = jnp.asarray([1.0, 3.0, 6.0])
+  wi, n = adapt.choose(_state([0.9, 0.9]), steep, WIDTHS, n_max, live, reach_min=0.2)
+  assert WIDTHS[int(wi)] == 0 and n.tolist() == [0, 0]
+  wi, n = adapt.choose(_state([0.9, 0.3]), flat, WIDTHS, n_max, live, reach_min=0.2)
+  assert WIDTHS[int(wi)] == 4 and n[0] == 4 and 0 < n[1] < n[0], n
+  host = adapt.HostController(adapt.AdaptiveConfig(widths=WIDTHS), 2, K, np.asarray(flat))
+  host.accepted, host.trials = np.asarray([0.9, 0.3]) * 50, np.full(2, 50.0)
+  assert host.lengths(np.full(2, K), np.ones(2, bool)).tolist() == n.tolist()
+
+
+def test_update_estimates_per_token_acceptance():
+  """Rounds that accept 3 of 4, then reject at the first token, move alpha the censored-geometric
+  way: accepted / (accepted + rejections)."""
+  ast = adapt.AdaptiveState(accepted=jnp.zeros(1), trials=jnp.zeros(1), yield_=jnp.ones(1))
+  live = jnp.ones(1, bool)
+  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([4]), jnp.asarray([3]), live, decay=1.0)
+  assert float(ast.alpha[0]) == pytest.approx(3 / 4)
+  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([4]), jnp.asarray([0]), live, decay=1.0)
+  assert float(ast.alpha[0]) == pytest.approx(3 / 5)
+  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([0]), jnp.asarray([0]), live, decay=0.5)
+  assert float(ast.alpha[0]) == pytest.approx(3 / 5) and float(ast.yield_[0]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.6, 2.2), (1.0, 50.0, 100.0)],
+                         ids=["flat", "mild", "backs_off"])
+def test_adaptive_greedy_is_lossless(tiny_llama, costs):
+  """Device loop (draft model) and host loop (ngram_simple), batch 3: greedy output identical to
+  plain decoding whatever widths the controller picks; with prohibitive costs it verifies no
+  draft at all (every round is a plain decode step)."""
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs)
+  drafters = [DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=1)),
+              NgramSimple(size_n=1, size_m=K)]
+  for d in drafters:
+    res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
+    assert res.tokens == plain, d.name
+    if costs[1] >= 50:
+      assert res.stats.gen_tokens == 0 and res.stats.tau == pytest.approx(1.0), res.stats.format()
+    else:
+      assert res.stats.gen_tokens > 0, res.stats.format()
+
+
+def test_adaptive_sampling_preserves_the_token_law(peaked_target):
+  """The engine's chi-square test with adaptive drafting on (widths 0/2/3, mild costs)."""
+  cfg, params = peaked_target
+  v = cfg.vocab_size
+  drafter = DraftModelDrafter(cfg=cfg, max_draft=3, weights=perturb(params, 0.05, seed=2))
+  seeds = list(range(20_000, 20_000 + N_SEQ))
+  prompts = [STAT_PROMPT] * N_SEQ
+  shape = dict(temperature=1.0)
+  exact = _exact_law(params, cfg, shape)
+  sampling = SamplingParams.make(N_SEQ, seed=seeds, **shape)
+  ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 1.3, 1.4))
+  spec = speculative_generate(params, cfg, prompts, drafter, max_new_tokens=STAT_NEW, sampling=sampling, adaptive=ac)
+  assert spec.stats.gen_tokens > 0, spec.stats.format()
+  plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
+  c_spec, c_plain = _joint_counts(spec.tokens, v), _joint_counts(plain.tokens, v)
+  _, df, p_spec = chi2_gof(c_spec, exact)
+  assert p_spec >= P_PASS, f"adaptive speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
+  _, df, p_two = chi2_two_sample(c_spec, c_plain)
+  assert p_two >= P_PASS, f"adaptive speculative and plain samples differ (p={p_two:.3g}, df={df})"
+  colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
+                          sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=0.7))
+  _, _, p_cold = chi2_gof(_joint_counts(colder.tokens, v), exact)
+  assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+
+
+def test_calibration_measures_every_width(tiny_llama):
+  """calibrate: one positive, non-decreasing cost per width, cached for the same shape."""
+  cfg, params = tiny_llama
+  c = adapt.calibrate(params, cfg, 2, 64, (0, 1, 2), repeats=2)
+  assert c.shape == (3,) and np.all(c > 0) and np.all(np.diff(c) >= 0)
+  assert adapt.calibrate(params, cfg, 2, 64, (0, 1, 2)) is c
