@@ -48,11 +48,14 @@ echo "[gpu_dflash] data + training: $((t1 - t0)) s"
 cp "$WORK/export/dflash.safetensors" "$WORK/export/dflash.json" "$WORK/training_curve.png" "$OUT/"
 cp "$WORK/summary.json" "$OUT/train_summary.json"
 
-MTP=assets/mtp_smollm2/mtp_head.safetensors
+MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
+[ -f "$MTP" ] || MTP=assets/mtp_smollm2/mtp_head.safetensors
+EAGLE3=${EAGLE3_HEAD:-assets/eagle3_smollm2/eagle3_head.safetensors}   # side by side when present
 # the JSON and PNG are rewritten after each prompt set: a run cut short keeps MT-bench
 timeout "${EVAL_S:-250}" python3 -m specjax.cli train eval-dflash --config "$CONFIG" --dtype "$DTYPE" \
   --head "$WORK/export/dflash.safetensors" --prompts mt_bench,humaneval --temperatures 0,0.7 --n-max 15 $EVAL \
-  $([ -f "$MTP" ] && [ "${NO_MTP:-0}" != 1 ] && echo "--mtp-head $MTP") --out "$OUT/dflash_eval.json" --quiet \
+  $([ -f "$MTP" ] && [ "${NO_MTP:-0}" != 1 ] && echo "--mtp-head $MTP") \
+  $([ -f "$EAGLE3" ] && echo "--eagle3-head $EAGLE3") --out "$OUT/dflash_eval.json" --quiet \
   || echo "[gpu_dflash] evaluation stopped early (exit $?); results so far are in $OUT"
 echo "[gpu_dflash] evaluation: $(( $(date +%s) - t1 )) s"
 python3 - "$OUT/dflash_eval.json" <<'PY'

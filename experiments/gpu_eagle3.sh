@@ -25,7 +25,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
   CFG=configs/eagle3_smollm2.yaml
   EVAL=(--n-questions 16 --batch-size 8 --max-new-tokens 128 --n-max 1,2,3,4,5 --tree 6,8,48)
-  EVAL_TIMEOUT=200
+  EVAL_TIMEOUT=${EVAL_TIMEOUT:-170}
 fi
 MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
 [ -f "$MTP" ] || MTP=assets/mtp_smollm2/mtp_head.safetensors
