@@ -49,7 +49,7 @@ cp "$WORK/export/dflash.safetensors" "$WORK/export/dflash.json" "$WORK/training_
 cp "$WORK/summary.json" "$OUT/train_summary.json"
 
 MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
-[ -f "$MTP" ] || MTP=assets/mtp_smollm2/mtp_head.safetensors
+[ -f "$MTP" ] || MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
 EAGLE3=${EAGLE3_HEAD:-assets/eagle3_smollm2/eagle3_head.safetensors}   # side by side when present
 # the JSON and PNG are rewritten after each prompt set: a run cut short keeps MT-bench
 timeout "${EVAL_S:-250}" python3 -m specjax.cli train eval-dflash --config "$CONFIG" --dtype "$DTYPE" \

@@ -28,7 +28,7 @@ else
   EVAL_TIMEOUT=${EVAL_TIMEOUT:-170}
 fi
 MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
-[ -f "$MTP" ] || MTP=assets/mtp_smollm2/mtp_head.safetensors
+[ -f "$MTP" ] || MTP=assets/mtp_smollm2_gpu/mtp_head.safetensors
 OUTDIR=$(python3 -c "import yaml; print(yaml.safe_load(open('$CFG'))['out_dir'])")
 EXPORT=$(python3 -c "import yaml; print(yaml.safe_load(open('$CFG'))['export'])")
 {

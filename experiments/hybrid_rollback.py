@@ -78,8 +78,15 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
   ap.add_argument("--out", required=True)
+  ap.add_argument("--rows-from", default=None,
+                  help="build the JSON + plot from rows this script printed (a run cut short by a time limit)")
+  ap.add_argument("--device-kind", default=None, help="with --rows-from: the card the rows were measured on")
   args = ap.parse_args(argv)
   cfg = TINY if args.tiny else QWEN35_08B_LIKE
+  if args.rows_from:
+    rows = [json.loads(line) for line in Path(args.rows_from).read_text().splitlines() if line.startswith("{")]
+    device = {"device_kind": args.device_kind, "note": f"rows printed by a run on that card, read from {args.rows_from}"}
+    return finish(rows, args, cfg, device)
   params = init_params(cfg, seed=0, dtype=jnp.bfloat16)
   rng = np.random.default_rng(0)
   rows = []
@@ -103,9 +110,16 @@ def main(argv=None) -> int:
           row[f"ms_{name}"], state = time_rounds(fn, params, tokens, state, n_keep, repeats=args.repeats)
         rows.append(row)
         print(json.dumps(row), flush=True)
+  return finish(rows, args, cfg, device_info())
+
+
+def finish(rows, args, cfg, device) -> int:
   verdict = []
-  for b in args.batch:
-    for k in args.k:
+  for b in sorted({r["batch"] for r in rows}):
+    for k in sorted({r["k"] for r in rows if r["batch"] == b}):
+      pair = [[r for r in rows if r["batch"] == b and r["k"] == k and r["mode"] == m] for m in ("per_step", "redecode")]
+      if not all(pair):
+        continue
       ps, rd = ([r for r in rows if r["batch"] == b and r["k"] == k and r["mode"] == m][0] for m in ("per_step", "redecode"))
       verdict.append({"batch": b, "k": k,
                       "faster_partial": "per_step" if ps["ms_partial"] < rd["ms_partial"] else "redecode",
@@ -114,7 +128,7 @@ def main(argv=None) -> int:
                       "per_step_extra_temp_mib": ((ps["temp_bytes"] or 0) - (rd["temp_bytes"] or 0)) / 2**20})
   out = {"experiment": "hybrid_rollback", "model": "Qwen3.5-0.8B-like shapes, random bf16 weights" if not args.tiny else "tiny",
          "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
-         "args": vars(args), "git_revision": git_revision(), "device": device_info(), "rows": rows, "verdict": verdict}
+         "args": vars(args), "git_revision": git_revision(), "device": device, "rows": rows, "verdict": verdict}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
   plot(out, Path(args.out).with_suffix(".png"))

@@ -43,7 +43,8 @@ class PromptRecord:
   category: str
   turn: int
   new_tokens: int
-  seconds: float
+  seconds: float              # this prompt's share of its batch's wall time (batch time / prompts)
+  batch_seconds: float = 0.0  # wall time of the whole batch the prompt ran in
   rounds: int = 0
   gen_tokens: int = 0
   acc_tokens: int = 0
@@ -149,11 +150,13 @@ def run_method(cfg: ExperimentConfig, target, method: MethodConfig | None, quest
         msgs = _messages(batch[i], answers[i], turn)
         prompts.append(tok.encode_chat(msgs) if cfg.chat else tok.encode(msgs[-1]["content"]))
       r = runner.run(prompts)
+      share = r.seconds / len(idx)   # each prompt of a batch gets an equal share of its wall time
       for j, i in enumerate(idx):
         q = batch[i]
         answers[i].append(tok.decode(r.tokens[j]))
         rec = PromptRecord(method=name, question_id=q.question_id, category=q.category, turn=turn,
-                           new_tokens=len(r.tokens[j]), seconds=r.seconds, tokens=r.tokens[j])
+                           new_tokens=len(r.tokens[j]), seconds=share, tokens=r.tokens[j],
+                           batch_seconds=r.seconds)
         if method is not None:
           st = r.stats
           rec.rounds, rec.acc_tokens = st.per_seq_rounds[j], st.per_seq_acc_tokens[j]
