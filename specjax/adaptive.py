@@ -12,7 +12,10 @@ length n its expected tokens per round are
 A sequence drafts at most n_i* tokens, the longest draft whose last token is still reached with
 probability alpha_i^n >= `reach_min` (its running acceptance sets its length). The verification
 width w is the same for the whole batch (verification is one [B, w+1] forward), taken from a few
-compiled widths; w = 0 is a plain decode step. The controller picks
+compiled widths; w = 0 is a plain decode step. The device loop runs in segments of
+`segment_rounds` rounds at one static width (a width per segment chosen on the host from the
+running estimates; per-round `lax.switch` over widths made XLA copy the carried KV cache every
+round, 24% slower at batch 64 on an H200); the host loop chooses every round. The controller picks
 
     w = argmax_w  sum_i E_i(min(w, n_i*)) / cost(B, w),
 
@@ -43,6 +46,7 @@ class AdaptiveConfig:
   prior_weight: float = 2.0
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
+  segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment
 
   def widths_for(self, k: int) -> tuple[int, ...]:
     if self.widths is not None:
@@ -87,15 +91,15 @@ def expected_tokens(alpha, rho, n):
   return 1.0 + rho * geo
 
 
-def choose(ast: AdaptiveState, costs, widths: tuple[int, ...], n_max, live, reach_min: float):
-  """-> (index into widths (scalar int32), per-sequence draft lengths [B]). costs [len(widths)] ms."""
-  alpha = ast.alpha
-  n_star = longest_useful(alpha, n_max, reach_min)                                  # [B]
-  ws = jnp.asarray(widths, jnp.int32)                                               # [W]
-  n_w = jnp.minimum(ws[:, None], n_star[None, :])                                   # [W, B]
-  gain = jnp.sum(jnp.where(live[None, :], expected_tokens(alpha[None, :], ast.yield_[None, :], n_w), 0.0), axis=1)
-  wi = jnp.argmax(gain / costs).astype(jnp.int32)
-  return wi, jnp.where(live, jnp.minimum(ws[wi], n_star), 0)
+def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, reach_min: float) -> int:
+  """Host (numpy) form of `choose`'s width: index into widths maximizing expected tokens per ms."""
+  alpha, yield_, n_max = np.asarray(alpha, np.float64), np.asarray(yield_, np.float64), np.asarray(n_max)
+  logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
+  n_star = np.clip(np.floor(np.log(reach_min) / logs), 0, n_max)
+  n_w = np.minimum(np.asarray(widths)[:, None], n_star[None, :])
+  geo = alpha * (1.0 - alpha ** n_w) / np.maximum(1.0 - alpha, 1e-6)
+  gain = np.sum(np.where(np.asarray(live)[None, :], 1.0 + yield_ * geo, 0.0), axis=1)
+  return int(np.argmax(gain / np.asarray(costs, np.float64)))
 
 
 def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
@@ -168,11 +172,7 @@ class HostController:
     alpha = np.clip(self.accepted / np.maximum(self.trials, 1e-6), 0.0, 0.999)
     logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
     n_star = np.clip(np.floor(np.log(self.ac.reach_min) / logs), 0, n_max).astype(np.int64)
-    ws = np.asarray(self.widths)[:, None]
-    n_w = np.minimum(ws, n_star[None, :])
-    geo = alpha * (1.0 - alpha ** n_w) / np.maximum(1.0 - alpha, 1e-6)
-    gain = np.sum(np.where(live[None, :], 1.0 + self.yield_ * geo, 0.0), axis=1)
-    w = self.widths[int(np.argmax(gain / self.costs))]
+    w = self.widths[choose_width_np(alpha, self.yield_, n_max, live, self.widths, self.costs, self.ac.reach_min)]
     self.asked = np.where(live, np.minimum(w, n_star), 0)
     return self.asked
 

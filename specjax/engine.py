@@ -126,24 +126,14 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
   return state, dstate
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "adaptive"),
-                   donate_argnames=("state", "dstate"))
-def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, costs=None, *, cfg, drafter,
-               rollback="per_step", adaptive=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback"), donate_argnames=("state", "dstate"))
+def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback="per_step"):
   """Every round of every sequence in one while_loop; shapes depend on capacity and history
-  length only, so one compilation serves every prompt width. With `adaptive` (an
-  `specjax.adaptive.AdaptiveConfig`; `costs` [W] ms per verification width) each round picks its
-  verification width and per-sequence draft lengths (`_adaptive_round`)."""
+  length only, so one compilation serves every prompt width."""
   width = max_depth_of(drafter) if getattr(drafter, "proposes_tree", False) else drafter.max_draft
   stats = RoundStats.zeros(state.last.shape[0], width)   # acceptance by position (trees: by depth)
-  if adaptive is None:
-    body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
-    return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
-  body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
-                           rollback, adaptive, costs)
-  ast = adapt.AdaptiveState.init(state.last.shape[0], adaptive)
-  state, dstate, stats, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats, ast))
-  return state, dstate, stats
+  body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
+  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
 
 
 def _pad_to(x, width: int):
@@ -151,37 +141,60 @@ def _pad_to(x, width: int):
   return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, ac, costs, carry):
-  """One round with the width chosen from running acceptance and measured costs: every width
-  is its own compiled branch (a `lax.switch`), so a narrow round costs a narrow forward."""
-  state, dstate, stats, ast = carry
-  if getattr(drafter, "proposes_tree", False):
-    raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
+def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, width, reach_min,
+                    decay, carry):
+  """One round at verification width `width` (static): each sequence drafts min(width, n_i*)
+  tokens, n_i* from its running acceptance (`specjax.adaptive`)."""
+  state, dstate, stats, ast, i = carry
   k = drafter.max_draft
-  widths = ac.widths_for(k)
   live = ~state.done
-  wi, n_seq = adapt.choose(ast, costs, widths, dp["n_max"], live, ac.reach_min)
+  n_seq = jnp.where(live, jnp.minimum(width, adapt.longest_useful(ast.alpha, dp["n_max"], reach_min)), 0)
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
                      target_len=state.cache.lengths, n_max=n_seq, p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
-
-  def branch(w, state):
-    d = Draft(tokens=draft.tokens[:, :w], lengths=jnp.minimum(draft.lengths, w),
-              q=None if draft.q is None else draft.q[:, :w])
-    state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
-        params, cfg, state, d, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
-    tapped = {"prenorm": _pad_to(tapped["prenorm"], k + 1), "layers": tuple(_pad_to(h, k + 1) for h in tapped["layers"])}
-    return state, n_acc, nxt, dlen, _pad_to(verified, k + 1), tapped, live, n_out
-
-  state, n_acc, nxt, dlen, verified, tapped, live, n_out = jax.lax.switch(
-      wi, [functools.partial(branch, w) for w in widths], state)
+  draft = Draft(tokens=draft.tokens[:, :width], lengths=jnp.minimum(draft.lengths, width),
+                q=None if draft.q is None else draft.q[:, :width])
+  state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
+      params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
   stats = stats.update(dlen, n_acc, live, n_out)
-  ast = adapt.update(ast, n_seq, dlen, n_acc, live, ac.decay)
-  result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=verified, prenorm=tapped["prenorm"],
-                       layer_taps=tapped["layers"], live=live)
+  ast = adapt.update(ast, n_seq, dlen, n_acc, live, decay)
+  result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=_pad_to(verified, k + 1),
+                       prenorm=_pad_to(tapped["prenorm"], k + 1),
+                       layer_taps=tuple(_pad_to(h, k + 1) for h in tapped["layers"]), live=live)
   dstate = drafter.commit(dparams, dstate, result)
-  return state, dstate, stats, ast
+  return state, dstate, stats, ast, i + 1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "width", "rounds", "reach_min", "decay"),
+                   donate_argnames=("state", "dstate"))
+def _adaptive_segment(params, dparams, state, dstate, stats, ast, sampling, dp, stop_ids, max_new, *, cfg, drafter,
+                      rollback, width, rounds, reach_min, decay):
+  """Up to `rounds` rounds at one static verification width, in one while_loop. The host picks the
+  next segment's width from the running estimates (a width per segment, not a `lax.switch` per
+  round: a conditional over the carried KV cache makes XLA copy it every round)."""
+  body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
+                           rollback, width, reach_min, decay)
+  state, dstate, stats, ast, _ = jax.lax.while_loop(
+      lambda c: ~jnp.all(c[0].done) & (c[4] < rounds), body, (state, dstate, stats, ast, jnp.int32(0)))
+  return state, dstate, stats, ast, jnp.all(state.done)
+
+
+def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs):
+  if getattr(drafter, "proposes_tree", False):
+    raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
+  b, k = state.last.shape[0], drafter.max_draft
+  widths = ac.widths_for(k)
+  stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, ac)
+  n_max = np.asarray(dp["n_max"])
+  while True:
+    alpha, yld, done = jax.device_get((ast.alpha, ast.yield_, state.done))
+    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.reach_min)]
+    state, dstate, stats, ast, all_done = _adaptive_segment(
+        params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, cfg=cfg, drafter=drafter,
+        rollback=rollback, width=w, rounds=ac.segment_rounds, reach_min=ac.reach_min, decay=ac.decay)
+    if bool(all_done):
+      return state, dstate, stats
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))
@@ -240,9 +253,12 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     dparams = drafter.params()
     state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                                   cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
-    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
-                                      None if costs is None else jnp.asarray(costs), cfg=cfg, drafter=drafter,
-                                      rollback=rollback, adaptive=adaptive or None)
+    if adaptive:
+      state, dstate, stats = _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
+                                            drafter=drafter, rollback=rollback, ac=adaptive, costs=costs)
+    else:
+      state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
+                                        drafter=drafter, rollback=rollback)
     if hasattr(drafter, "end_device"):
       drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
     jax.block_until_ready(state.hist_len)

@@ -24,29 +24,23 @@ PROMPTS3 = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
 WIDTHS = (0, 2, 4)
 
 
-def _state(alphas, weight=50.0):
-  a = jnp.asarray(alphas, jnp.float32)
-  return adapt.AdaptiveState(accepted=a * weight, trials=jnp.full_like(a, weight), yield_=jnp.ones_like(a))
-
-
 def test_controller_follows_acceptance_and_cost():
   """High acceptance and flat cost -> the widest width; the same acceptance with verification
   cost growing steeply with width -> w = 0 (plain decoding); a sequence with low acceptance gets
-  a shorter draft than one with high acceptance in the same round; the host controller (numpy)
-  makes the same choice as the device one."""
-  live = jnp.ones(2, bool)
-  n_max = jnp.full(2, K, jnp.int32)
-  flat = jnp.asarray([1.0, 1.0, 1.0])
-  wi, n = adapt.choose(_state([0.9, 0.9]), flat, WIDTHS, n_max, live, reach_min=0.2)
-  assert WIDTHS[int(wi)] == 4 and n.tolist() == [4, 4]
-  steep = jnp.asarray([1.0, 3.0, 6.0])
-  wi, n = adapt.choose(_state([0.9, 0.9]), steep, WIDTHS, n_max, live, reach_min=0.2)
-  assert WIDTHS[int(wi)] == 0 and n.tolist() == [0, 0]
-  wi, n = adapt.choose(_state([0.9, 0.3]), flat, WIDTHS, n_max, live, reach_min=0.2)
-  assert WIDTHS[int(wi)] == 4 and n[0] == 4 and 0 < n[1] < n[0], n
-  host = adapt.HostController(adapt.AdaptiveConfig(widths=WIDTHS), 2, K, np.asarray(flat))
+  a shorter draft than one with high acceptance (device `longest_useful` and the host controller
+  agree)."""
+  live = np.ones(2, bool)
+  n_max = np.full(2, K)
+  flat, steep = np.asarray([1.0, 1.0, 1.0]), np.asarray([1.0, 3.0, 6.0])
+  ones = np.ones(2)
+  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
+  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, steep, 0.2)] == 0
+  assert WIDTHS[adapt.choose_width_np([0.9, 0.3], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
+  n = np.asarray(adapt.longest_useful(jnp.asarray([0.9, 0.3]), jnp.full(2, K), 0.2))
+  assert n[0] == 4 and 0 < n[1] < n[0], n
+  host = adapt.HostController(adapt.AdaptiveConfig(widths=WIDTHS), 2, K, flat)
   host.accepted, host.trials = np.asarray([0.9, 0.3]) * 50, np.full(2, 50.0)
-  assert host.lengths(np.full(2, K), np.ones(2, bool)).tolist() == n.tolist()
+  assert host.lengths(n_max, live).tolist() == n.tolist()
 
 
 def test_update_estimates_per_token_acceptance():
@@ -70,7 +64,7 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   draft at all (every round is a plain decode step)."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
-  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs)
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
   drafters = [DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=1)),
               NgramSimple(size_n=1, size_m=K)]
   for d in drafters:
