@@ -14,8 +14,10 @@ probability alpha_i^n >= `reach_min` (its running acceptance sets its length). T
 width w is the same for the whole batch (verification is one [B, w+1] forward), taken from a few
 compiled widths; w = 0 is a plain decode step. The device loop runs in segments of
 `segment_rounds` rounds at one static width (a width per segment chosen on the host from the
-running estimates; per-round `lax.switch` over widths made XLA copy the carried KV cache every
-round, 24% slower at batch 64 on an H200); the host loop chooses every round. The controller picks
+running estimates). A first version chose per round with a `lax.switch` over widths and ran 24%
+slower than fixed n_max 2 at batch 64 on an H200 with the same tau; the suspected cause (not
+profiled) is XLA copying the carried KV cache through the conditional. The host loop chooses
+every round. The controller picks
 
     w = argmax_w  sum_i E_i(min(w, n_i*)) / cost(B, w),
 
