@@ -49,6 +49,8 @@ class AdaptiveConfig:
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
   segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment
+  explore_every: int = 4          # after this many segments (host loop: x segment_rounds rounds) of
+                                  # plain decoding, one at the best non-zero width refreshes the estimates
 
   def widths_for(self, k: int) -> tuple[int, ...]:
     if self.widths is not None:
@@ -93,15 +95,20 @@ def expected_tokens(alpha, rho, n):
   return 1.0 + rho * geo
 
 
-def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, reach_min: float) -> int:
-  """Host (numpy) form of `choose`'s width: index into widths maximizing expected tokens per ms."""
+def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, reach_min: float,
+                    explore: bool = False) -> int:
+  """Index into widths maximizing expected tokens per ms (with `explore`, the best non-zero width:
+  estimates only move when drafts are verified, so backing off for good would freeze them)."""
   alpha, yield_, n_max = np.asarray(alpha, np.float64), np.asarray(yield_, np.float64), np.asarray(n_max)
   logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
   n_star = np.clip(np.floor(np.log(reach_min) / logs), 0, n_max)
   n_w = np.minimum(np.asarray(widths)[:, None], n_star[None, :])
   geo = alpha * (1.0 - alpha ** n_w) / np.maximum(1.0 - alpha, 1e-6)
   gain = np.sum(np.where(np.asarray(live)[None, :], 1.0 + yield_ * geo, 0.0), axis=1)
-  return int(np.argmax(gain / np.asarray(costs, np.float64)))
+  rate = gain / np.asarray(costs, np.float64)
+  if explore and len(widths) > 1:
+    rate = np.where(np.asarray(widths) > 0, rate, -np.inf)
+  return int(np.argmax(rate))
 
 
 def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
@@ -169,12 +176,16 @@ class HostController:
     self.trials = np.full(batch, ac.prior_weight)
     self.yield_ = np.ones(batch)
     self.asked = np.zeros(batch, np.int64)
+    self.plain_rounds = 0
 
   def lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
     alpha = np.clip(self.accepted / np.maximum(self.trials, 1e-6), 0.0, 0.999)
     logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
     n_star = np.clip(np.floor(np.log(self.ac.reach_min) / logs), 0, n_max).astype(np.int64)
-    w = self.widths[choose_width_np(alpha, self.yield_, n_max, live, self.widths, self.costs, self.ac.reach_min)]
+    explore = self.plain_rounds >= self.ac.explore_every * self.ac.segment_rounds
+    w = self.widths[choose_width_np(alpha, self.yield_, n_max, live, self.widths, self.costs, self.ac.reach_min,
+                                    explore)]
+    self.plain_rounds = self.plain_rounds + 1 if w == 0 else 0
     self.asked = np.where(live, np.minimum(w, n_star), 0)
     return self.asked
 

@@ -188,9 +188,12 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   widths = ac.widths_for(k)
   stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, ac)
   n_max = np.asarray(dp["n_max"])
+  plain_segments = 0
   while True:
     alpha, yld, done = jax.device_get((ast.alpha, ast.yield_, state.done))
-    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.reach_min)]
+    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.reach_min,
+                                     explore=plain_segments >= ac.explore_every)]
+    plain_segments = plain_segments + 1 if w == 0 else 0
     state, dstate, stats, ast, all_done = _adaptive_segment(
         params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, cfg=cfg, drafter=drafter,
         rollback=rollback, width=w, rounds=ac.segment_rounds, reach_min=ac.reach_min, decay=ac.decay)

@@ -35,6 +35,7 @@ def test_controller_follows_acceptance_and_cost():
   ones = np.ones(2)
   assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
   assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, steep, 0.2)] == 0
+  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, steep, 0.2, explore=True)] == 2
   assert WIDTHS[adapt.choose_width_np([0.9, 0.3], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
   n = np.asarray(adapt.longest_useful(jnp.asarray([0.9, 0.3]), jnp.full(2, K), 0.2))
   assert n[0] == 4 and 0 < n[1] < n[0], n
@@ -60,8 +61,8 @@ def test_update_estimates_per_token_acceptance():
                          ids=["flat", "mild", "backs_off"])
 def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   """Device loop (draft model) and host loop (ngram_simple), batch 3: greedy output identical to
-  plain decoding whatever widths the controller picks; with prohibitive costs it verifies no
-  draft at all (every round is a plain decode step)."""
+  plain decoding whatever widths the controller picks; with prohibitive costs most rounds are
+  plain decode steps (drafts are verified only in the periodic exploration segments)."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
@@ -70,8 +71,8 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   for d in drafters:
     res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
     assert res.tokens == plain, d.name
-    if costs[1] >= 50:
-      assert res.stats.gen_tokens == 0 and res.stats.tau == pytest.approx(1.0), res.stats.format()
+    if costs[1] >= 50:   # backs off; only the exploration segments verify drafts
+      assert res.stats.gen_tokens <= 0.5 * res.stats.rounds * K, res.stats.format()
     else:
       assert res.stats.gen_tokens > 0, res.stats.format()
 
