@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.head_file import fill_from_tensors, leaves
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
@@ -271,14 +272,6 @@ def _names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   return [".".join(parts + [hf_leaf])], leaf == "kernel"
 
 
-def _leaves(tree, prefix=()):
-  for key, val in tree.items():
-    if isinstance(val, dict):
-      yield from _leaves(val, prefix + (str(key),))
-    else:
-      yield prefix + (str(key),), val
-
-
 def _split_sizes(cfg: ModelConfig, dc: DFlashConfig, fused: str) -> list[int]:
   if fused == "qkv_proj":
     return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
@@ -301,7 +294,7 @@ def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *
   wpath.parent.mkdir(parents=True, exist_ok=True)
   pure = nnx.to_pure_dict(dparams) if isinstance(dparams, nnx.State) else dparams
   flat = {}
-  for leaf_path, arr in _leaves(pure):
+  for leaf_path, arr in leaves(pure):
     names, transposed = _names(leaf_path)
     arr = np.asarray(jnp.asarray(arr, dtype))
     arr = arr.T if transposed else arr
@@ -335,21 +328,7 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
   dc = DFlashConfig(**{**d, "taps": tuple(d["taps"])})
   flat = load_file(str(wpath))
   abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0))))[1])
-  out, used = {}, set()
-  for leaf_path, leaf in _leaves(abstract):
-    names, transposed = _names(leaf_path)
-    missing = [n for n in names if n not in flat]
-    if missing:
-      raise KeyError(f"DFlash drafter {wpath} lacks tensor {missing[0]!r}")
-    arr = np.concatenate([flat[n] for n in names], axis=0)
-    arr = arr.T if transposed else arr
-    if arr.shape != leaf.shape:
-      raise ValueError(f"DFlash drafter {wpath}: {names} give shape {arr.shape}, expected {leaf.shape}")
-    used.update(names)
-    node = out
-    for p in leaf_path[:-1]:
-      node = node.setdefault(int(p) if p.isdigit() else p, {})
-    node[leaf_path[-1]] = jnp.asarray(arr, dtype) if dtype is not None else jnp.asarray(arr)
+  out, used = fill_from_tensors(abstract, flat, _names, what=f"DFlash drafter {wpath}", dtype=dtype, int_keys=True)
   unused = sorted(set(flat) - used)
   if unused:
     raise ValueError(f"DFlash drafter {wpath} has tensors with no place in this drafter: {unused[:6]}")

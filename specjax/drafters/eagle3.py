@@ -50,8 +50,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.head_file import fill_from_tensors, leaves
 from specjax.models.config import ModelConfig
-from specjax.models.decoder import attention_masks, embed_tokens, logits_from_prenorm, model_of
+from specjax.models.decoder import attention_masks, embed_tokens, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
 from specjax.models.weights import FUSED
 from specjax.sampling import split_keys
@@ -426,14 +427,6 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 # saving and loading: bf16 safetensors (EAGLE-3 tensor names, [out, in]) + a JSON config
 
 
-def _leaves(tree, prefix=()):
-  for key, val in tree.items():
-    if isinstance(val, dict):
-      yield from _leaves(val, prefix + (str(key),))
-    else:
-      yield prefix + (str(key),), val
-
-
 def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   """Parameter path -> (tensor names in the file, stored transposed?). EAGLE-3's names:
   `fc.weight`, `midlayer.self_attn.q_proj.weight`, `midlayer.mlp.gate_proj.weight`, `norm.weight`,
@@ -466,7 +459,7 @@ def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", 
            "gate_up_proj": (hc.ffn_dim, hc.ffn_dim)}
   pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
   flat = {}
-  for leaf_path, arr in _leaves(pure):
+  for leaf_path, arr in leaves(pure):
     names, transposed = _file_names(leaf_path)
     arr = np.asarray(jnp.asarray(arr, dtype))
     arr = arr.T if transposed else arr
@@ -502,22 +495,7 @@ def load_head(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, np.
   d2t = (flat.pop("d2t") + np.arange(hc.draft_vocab)).astype(np.int32)
   flat.pop("t2d", None)
   abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Eagle3Head(hc, rngs=nnx.Rngs(0))))[1])
-  pure: dict = {}
-  used = set()
-  for leaf_path, leaf in _leaves(abstract):
-    names, transposed = _file_names(leaf_path)
-    missing = [n for n in names if n not in flat]
-    if missing:
-      raise KeyError(f"EAGLE-3 head {wpath} lacks tensor {missing[0]!r}")
-    arr = np.concatenate([flat[n] for n in names], axis=0)
-    arr = arr.T if transposed else arr
-    if arr.shape != leaf.shape:
-      raise ValueError(f"EAGLE-3 head {wpath}: {names} give shape {arr.shape}, expected {leaf.shape}")
-    used.update(names)
-    node = pure
-    for p in leaf_path[:-1]:
-      node = node.setdefault(p, {})
-    node[leaf_path[-1]] = jnp.asarray(arr, dtype) if dtype is not None else jnp.asarray(arr)
+  pure, used = fill_from_tensors(abstract, flat, _file_names, what=f"EAGLE-3 head {wpath}", dtype=dtype)
   unused = sorted(set(flat) - used)
   if unused:
     raise ValueError(f"EAGLE-3 head {wpath} has tensors this head has no place for: {unused[:6]}")

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.head_file import fill_from_tensors, leaves
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm
@@ -279,20 +280,6 @@ def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   return [".".join(parts[:-1] + [hf_leaf])], transposed
 
 
-def _leaves(tree, prefix=()):
-  for key, val in tree.items():
-    if isinstance(val, dict):
-      yield from _leaves(val, prefix + (str(key),))
-    else:
-      yield prefix + (str(key),), val
-
-
-def _set(tree, path, val):
-  for p in path[:-1]:
-    tree = tree.setdefault(p, {})
-  tree[path[-1]] = val
-
-
 def head_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config) of a head: `X.safetensors` + `X.json`, or a directory holding
   `mtp_head.safetensors` + `mtp_head.json`."""
@@ -315,7 +302,7 @@ def save_heads(path: str | Path, heads: Sequence, cfg: ModelConfig, *, dtype="bf
   flat = {}
   for m, hp in enumerate(heads):
     pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-    for leaf_path, arr in _leaves(pure):
+    for leaf_path, arr in leaves(pure):
       names, transposed = _file_names(leaf_path)
       arr = np.asarray(jnp.asarray(arr, dtype))
       arr = arr.T if transposed else arr
@@ -349,20 +336,10 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
   abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, rngs=nnx.Rngs(0))))[1])
   heads, used = [], set()
   for m in range(n_heads):
-    pure: dict = {}
-    for leaf_path, leaf in _leaves(abstract):
-      names, transposed = _file_names(leaf_path)
-      names = [f"mtp.{m}.{n}" for n in names]
-      missing = [n for n in names if n not in flat]
-      if missing:
-        raise KeyError(f"MTP head {wpath} lacks tensor {missing[0]!r}")
-      arr = np.concatenate([flat[n] for n in names], axis=0)
-      arr = arr.T if transposed else arr
-      if arr.shape != leaf.shape:
-        raise ValueError(f"MTP head {wpath}: {names} give shape {arr.shape}, expected {leaf.shape}")
-      used.update(names)
-      _set(pure, leaf_path, jnp.asarray(arr, dtype) if dtype is not None else jnp.asarray(arr))
+    pure, names = fill_from_tensors(abstract, flat, _file_names, what=f"MTP head {wpath}", dtype=dtype,
+                                    prefix=f"mtp.{m}.")
     heads.append(pure)
+    used |= names
   unused = sorted(set(flat) - used)
   if unused:
     raise ValueError(f"MTP head {wpath} has tensors this target's head has no place for: {unused[:6]}")

@@ -73,26 +73,12 @@ class DFlashTrainSpec:
 
 
 def load_spec(path: str | Path, **overrides) -> DFlashTrainSpec:
-  import yaml
-
-  from specjax.bench.config import ConfigError, _build
+  from specjax.bench.config import ConfigError
+  from specjax.train.spec import load_train_spec
   path = Path(path)
-  data = yaml.safe_load(path.read_text())
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path}: expected a mapping")
-  spec = _build(DFlashTrainSpec, data, path.name)
-  for key, val in overrides.items():   # "train.steps": 10, "dtype": "bfloat16", ...
-    if val is None:
-      continue
-    section, _, field = key.rpartition(".")
-    if section:
-      spec = dataclasses.replace(spec, **{section: dataclasses.replace(getattr(spec, section), **{field: val})})
-    else:
-      spec = dataclasses.replace(spec, **{field: val})
+  spec = load_train_spec(DFlashTrainSpec, path, overrides)
   if spec.loss.loss not in ("kl", "ce"):
     raise ConfigError(f"{path.name}: loss.loss must be 'kl' or 'ce', got {spec.loss.loss!r}")
-  if spec.dtype not in ("float32", "bfloat16"):
-    raise ConfigError(f"{path.name}: dtype must be float32 or bfloat16, got {spec.dtype!r}")
   return spec
 
 

@@ -76,24 +76,10 @@ class Eagle3TrainSpec:
 
 def load_spec(path: str | Path, **overrides) -> Eagle3TrainSpec:
   """The spec of a YAML file; `overrides` as {"train.steps": 10, "dtype": "bfloat16"} (None: keep)."""
-  import yaml
-
-  from specjax.bench.config import ConfigError, _build
+  from specjax.bench.config import ConfigError
+  from specjax.train.spec import load_train_spec
   path = Path(path)
-  data = yaml.safe_load(path.read_text())
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path}: expected a mapping")
-  spec = _build(Eagle3TrainSpec, data, path.name)
-  for key, val in overrides.items():
-    if val is None:
-      continue
-    section, _, field = key.rpartition(".")
-    if section:
-      spec = dataclasses.replace(spec, **{section: dataclasses.replace(getattr(spec, section), **{field: val})})
-    else:
-      spec = dataclasses.replace(spec, **{field: val})
-  if spec.dtype not in ("float32", "bfloat16"):
-    raise ConfigError(f"{path.name}: dtype must be float32 or bfloat16, got {spec.dtype!r}")
+  spec = load_train_spec(Eagle3TrainSpec, path, overrides)
   if spec.head.init_lm_head not in ("target", "random"):
     raise ConfigError(f"{path.name}: head.init_lm_head must be 'target' or 'random'")
   if spec.loss.n_steps < 1:

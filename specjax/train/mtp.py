@@ -21,7 +21,6 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,28 +69,14 @@ class MTPTrainSpec:
 
 
 def load_spec(path: str | Path, **overrides) -> MTPTrainSpec:
-  import yaml
-
-  from specjax.bench.config import ConfigError, _build
+  from specjax.bench.config import ConfigError
+  from specjax.train.spec import load_train_spec
   path = Path(path)
-  data = yaml.safe_load(path.read_text())
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path}: expected a mapping")
-  spec = _build(MTPTrainSpec, data, path.name)
-  for key, val in overrides.items():   # "train.steps": 10, "dtype": "bfloat16", ...
-    if val is None:
-      continue
-    section, _, field = key.rpartition(".")
-    if section:
-      spec = dataclasses.replace(spec, **{section: dataclasses.replace(getattr(spec, section), **{field: val})})
-    else:
-      spec = dataclasses.replace(spec, **{field: val})
+  spec = load_train_spec(MTPTrainSpec, path, overrides)
   if spec.loss.n_steps < spec.head.n_heads:
     raise ConfigError(f"{path.name}: loss.n_steps ({spec.loss.n_steps}) must be >= head.n_heads ({spec.head.n_heads})")
   if spec.loss.loss not in ("kl", "ce"):
     raise ConfigError(f"{path.name}: loss.loss must be 'kl' or 'ce', got {spec.loss.loss!r}")
-  if spec.dtype not in ("float32", "bfloat16"):
-    raise ConfigError(f"{path.name}: dtype must be float32 or bfloat16, got {spec.dtype!r}")
   return spec
 
 
