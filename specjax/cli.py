@@ -104,7 +104,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   try:
     return args.func(args)
-  except (ValueError, FileNotFoundError, KeyError) as e:
+  except (ValueError, FileNotFoundError, KeyError, NotImplementedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
