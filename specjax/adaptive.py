@@ -64,6 +64,12 @@ class AdaptiveConfig:
     return tuple(ws)
 
 
+def _xp(x):
+  """numpy for host arrays (the host loop), jax.numpy for device arrays and tracers (the device loop):
+  the estimator below is written once for both."""
+  return np if isinstance(x, (np.ndarray, np.generic)) else jnp
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
@@ -72,39 +78,37 @@ class AdaptiveState:
   yield_: jax.Array     # [B] f32 decayed fraction of asked rounds with a non-empty draft
 
   @staticmethod
-  def init(batch: int, ac: AdaptiveConfig) -> "AdaptiveState":
-    full = lambda v: jnp.full((batch,), v, jnp.float32)
+  def init(batch: int, ac: AdaptiveConfig, xp=jnp) -> "AdaptiveState":
+    full = lambda v: xp.full((batch,), v, xp.float32)
     return AdaptiveState(accepted=full(ac.prior_alpha * ac.prior_weight), trials=full(ac.prior_weight),
                          yield_=full(1.0))
 
   @property
   def alpha(self) -> jax.Array:
-    return jnp.clip(self.accepted / jnp.maximum(self.trials, 1e-6), 0.0, 0.999)
+    xp = _xp(self.accepted)
+    return xp.clip(self.accepted / xp.maximum(self.trials, 1e-6), 0.0, 0.999)
 
 
 def longest_useful(alpha, n_max, reach_min: float):
   """[B] the longest n <= n_max with alpha^n >= reach_min (0 when even one token is not worth it)."""
-  logs = jnp.log(jnp.maximum(alpha, 1e-6))
-  n = jnp.floor(jnp.log(reach_min) / jnp.minimum(logs, -1e-6))
-  return jnp.clip(n, 0, n_max).astype(jnp.int32)
+  xp = _xp(alpha)
+  logs = xp.minimum(xp.log(xp.maximum(alpha, 1e-6)), -1e-6)
+  return xp.clip(xp.floor(np.log(reach_min) / logs), 0, n_max).astype(xp.int32)
 
 
 def expected_tokens(alpha, rho, n):
   """[B] 1 + rho * sum_{j=1..n} alpha^j."""
-  geo = alpha * (1.0 - alpha ** n) / jnp.maximum(1.0 - alpha, 1e-6)
-  return 1.0 + rho * geo
+  xp = _xp(alpha)
+  return 1.0 + rho * alpha * (1.0 - alpha ** n) / xp.maximum(1.0 - alpha, 1e-6)
 
 
 def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, reach_min: float,
                     explore: bool = False) -> int:
   """Index into widths maximizing expected tokens per ms (with `explore`, the best non-zero width:
   estimates only move when drafts are verified, so backing off for good would freeze them)."""
-  alpha, yield_, n_max = np.asarray(alpha, np.float64), np.asarray(yield_, np.float64), np.asarray(n_max)
-  logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
-  n_star = np.clip(np.floor(np.log(reach_min) / logs), 0, n_max)
-  n_w = np.minimum(np.asarray(widths)[:, None], n_star[None, :])
-  geo = alpha * (1.0 - alpha ** n_w) / np.maximum(1.0 - alpha, 1e-6)
-  gain = np.sum(np.where(np.asarray(live)[None, :], 1.0 + yield_ * geo, 0.0), axis=1)
+  alpha, yield_ = np.asarray(alpha, np.float64), np.asarray(yield_, np.float64)
+  n_w = np.minimum(np.asarray(widths)[:, None], longest_useful(alpha, np.asarray(n_max), reach_min)[None, :])
+  gain = np.sum(np.where(np.asarray(live)[None, :], expected_tokens(alpha, yield_, n_w), 0.0), axis=1)
   rate = gain / np.asarray(costs, np.float64)
   if explore and len(widths) > 1:
     rate = np.where(np.asarray(widths) > 0, rate, -np.inf)
@@ -113,13 +117,14 @@ def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, 
 
 def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
   """After a round: asked [B] requested draft lengths, dlen [B] verified lengths, n_acc [B]."""
+  xp = _xp(ast.accepted)
   drafted = live & (dlen > 0)
   asked_ = live & (asked > 0)
-  rejected = (n_acc < dlen).astype(jnp.float32)
-  acc = jnp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
-  trials = jnp.where(drafted, decay * ast.trials + n_acc + rejected, ast.trials)
-  yld = jnp.where(asked_, decay * ast.yield_ + (1 - decay) * drafted.astype(jnp.float32), ast.yield_)
-  return AdaptiveState(accepted=acc, trials=trials, yield_=yld)
+  acc = xp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
+  trials = xp.where(drafted, decay * ast.trials + n_acc + (n_acc < dlen), ast.trials)
+  yld = xp.where(asked_, decay * ast.yield_ + (1 - decay) * drafted, ast.yield_)
+  return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32),
+                       yield_=yld.astype(xp.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,27 +177,17 @@ class HostController:
 
   def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray):
     self.ac, self.widths, self.costs = ac, ac.widths_for(k), np.asarray(costs, np.float64)
-    self.accepted = np.full(batch, ac.prior_alpha * ac.prior_weight)
-    self.trials = np.full(batch, ac.prior_weight)
-    self.yield_ = np.ones(batch)
+    self.state = AdaptiveState.init(batch, ac, np)
     self.asked = np.zeros(batch, np.int64)
     self.plain_rounds = 0
 
   def lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
-    alpha = np.clip(self.accepted / np.maximum(self.trials, 1e-6), 0.0, 0.999)
-    logs = np.minimum(np.log(np.maximum(alpha, 1e-6)), -1e-6)
-    n_star = np.clip(np.floor(np.log(self.ac.reach_min) / logs), 0, n_max).astype(np.int64)
     explore = self.plain_rounds >= self.ac.explore_every * self.ac.segment_rounds
-    w = self.widths[choose_width_np(alpha, self.yield_, n_max, live, self.widths, self.costs, self.ac.reach_min,
-                                    explore)]
+    w = self.widths[choose_width_np(self.state.alpha, self.state.yield_, n_max, live, self.widths, self.costs,
+                                    self.ac.reach_min, explore)]
     self.plain_rounds = self.plain_rounds + 1 if w == 0 else 0
-    self.asked = np.where(live, np.minimum(w, n_star), 0)
+    self.asked = np.where(live, np.minimum(w, longest_useful(self.state.alpha, n_max, self.ac.reach_min)), 0)
     return self.asked
 
   def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
-    d = self.ac.decay
-    drafted = live & (dlen > 0)
-    asked = live & (self.asked > 0)
-    self.accepted = np.where(drafted, d * self.accepted + n_acc, self.accepted)
-    self.trials = np.where(drafted, d * self.trials + n_acc + (n_acc < dlen), self.trials)
-    self.yield_ = np.where(asked, d * self.yield_ + (1 - d) * drafted, self.yield_)
+    self.state = update(self.state, self.asked, dlen, n_acc, live, self.ac.decay)

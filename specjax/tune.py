@@ -545,25 +545,6 @@ def summarize(records: list[harness.PromptRecord], plain: dict) -> dict:
   return harness._summary(records, plain)
 
 
-def result_dict(cfg: ExperimentConfig, by_method: dict[str, list[harness.PromptRecord]], wall: float) -> dict:
-  """A harness-format result (what `run_experiment` returns) from records already measured."""
-  from specjax.bench.env import device_info, git_revision
-  plain = {(r.question_id, r.turn): r for r in by_method.get(harness.PLAIN, [])}
-  summary = {}
-  for name, recs in by_method.items():
-    cats = defaultdict(list)
-    for r in recs:
-      cats[r.category].append(r)
-    summary[name] = {"overall": summarize(recs, plain),
-                     "by_category": {c: summarize(rs, plain) for c, rs in sorted(cats.items())}}
-  return {
-      "experiment": cfg.name, "config": _plain(to_dict(cfg)), "git_revision": git_revision(),
-      "device": device_info(), "wall_seconds": wall, "summary": summary,
-      "prompts": {name: [{k: v for k, v in dataclasses.asdict(r).items() if k != "tokens"} for r in recs]
-                  for name, recs in by_method.items()},
-  }
-
-
 # ------------------------------------------------------------------------------------------------
 # the search
 
@@ -730,7 +711,7 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   by_method[default.name] = run_questions(cfg, target, default, holdout_qs, draft_cache)
   by_method[best_method.name] = run_questions(cfg, target, best_method, holdout_qs, draft_cache)
   holdout_cfg = dataclasses.replace(cfg, name=f"{cfg.name}_holdout", methods=(default, best_method))
-  holdout = result_dict(holdout_cfg, by_method, time.perf_counter() - t2)
+  holdout = harness.result_dict(holdout_cfg, by_method, time.perf_counter() - t2)
   hs = holdout["summary"]
   say(f"held-out tokens/s: plain {_fmt(hs['plain']['overall']['tokens_per_s'])}, "
       f"{default.name} {_fmt(hs[default.name]['overall']['tokens_per_s'])}, "

@@ -40,7 +40,7 @@ def test_controller_follows_acceptance_and_cost():
   n = np.asarray(adapt.longest_useful(jnp.asarray([0.9, 0.3]), jnp.full(2, K), 0.2))
   assert n[0] == 4 and 0 < n[1] < n[0], n
   host = adapt.HostController(adapt.AdaptiveConfig(widths=WIDTHS), 2, K, flat)
-  host.accepted, host.trials = np.asarray([0.9, 0.3]) * 50, np.full(2, 50.0)
+  host.state = adapt.AdaptiveState(accepted=np.asarray([0.9, 0.3]) * 50, trials=np.full(2, 50.0), yield_=ones)
   assert host.lengths(n_max, live).tolist() == n.tolist()
 
 

@@ -78,6 +78,9 @@ class _Runner:
       self.draft_params = DraftParams(n_max=dp.n_max, n_min=dp.n_min, p_min=dp.p_min)
       self.drafter = make_speculator(method.speculator, target, draft_model=dm, draft_params=self.draft_params,
                                      options=dict(method.options), policy=method.policy, head=method.head)
+      ad = method.adaptive
+      self.adaptive = (AdaptiveConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ad.items()})
+                       if isinstance(ad, dict) else (AdaptiveConfig() if ad else None))
 
   def _call(self, prompts, warm=False):
     b = len(prompts)
@@ -87,11 +90,8 @@ class _Runner:
               capacity=self.cfg.capacity or DEFAULT_CAPACITY)
     if self.drafter is None:
       return generate_plain(self.target.params, self.target.cfg, prompts, **kw)
-    ad = self.method.adaptive
-    adaptive = AdaptiveConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ad.items()}) \
-        if isinstance(ad, dict) else (AdaptiveConfig() if ad else None)
     return speculative_generate(self.target.params, self.target.cfg, prompts, self.drafter,
-                                draft_params=self.draft_params, warm_widths=warm, adaptive=adaptive, **kw)
+                                draft_params=self.draft_params, warm_widths=warm, adaptive=self.adaptive, **kw)
 
   def _snapshot(self):
     """Cross-request memory of the drafter (suffix global tree, ngram_mod table, ...), to restore
@@ -214,8 +214,14 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict:
     bar.set_postfix_str(PLAIN if m is None else m.name)
     by_method[PLAIN if m is None else m.name] = run_method(cfg, target, m, questions, draft_cache, bar)
   bar.close()
-  plain = {(r.question_id, r.turn): r for r in by_method[PLAIN]}
-  for name, recs in by_method.items():
+  return result_dict(cfg, by_method, time.perf_counter() - t0)
+
+
+def result_dict(cfg: ExperimentConfig, by_method: dict[str, list[PromptRecord]], wall: float) -> dict:
+  """The result (JSON-ready) of measured records: each record is compared with plain decoding's
+  answer to the same prompt, then summarized per method, overall and by category."""
+  plain = {(r.question_id, r.turn): r for r in by_method.get(PLAIN, [])}
+  for recs in by_method.values():
     for r in recs:
       ref = plain.get((r.question_id, r.turn))
       r.equal_to_plain = None if ref is None else (r.tokens == ref.tokens)
@@ -231,7 +237,7 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict:
       "config": to_dict(cfg),
       "git_revision": git_revision(),
       "device": device_info(),
-      "wall_seconds": time.perf_counter() - t0,
+      "wall_seconds": wall,
       "summary": summary,
       "prompts": {name: [{k: v for k, v in dataclasses.asdict(r).items() if k != "tokens"} for r in recs]
                   for name, recs in by_method.items()},

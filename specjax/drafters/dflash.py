@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import fill_from_tensors, leaves
+from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
@@ -281,10 +281,7 @@ def _split_sizes(cfg: ModelConfig, dc: DFlashConfig, fused: str) -> list[int]:
 
 def drafter_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config): `X.safetensors` + `X.json`, or a directory with `dflash.safetensors` + `dflash.json`."""
-  path = Path(path)
-  if path.suffix in (".safetensors", ".json"):
-    return path.with_suffix(".safetensors"), path.with_suffix(".json")
-  return path / "dflash.safetensors", path / "dflash.json"
+  return file_paths(path, "dflash")
 
 
 def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *, dtype="bfloat16",
@@ -293,17 +290,7 @@ def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *
   wpath, cpath = drafter_paths(path)
   wpath.parent.mkdir(parents=True, exist_ok=True)
   pure = nnx.to_pure_dict(dparams) if isinstance(dparams, nnx.State) else dparams
-  flat = {}
-  for leaf_path, arr in leaves(pure):
-    names, transposed = _names(leaf_path)
-    arr = np.asarray(jnp.asarray(arr, dtype))
-    arr = arr.T if transposed else arr
-    if len(names) > 1:
-      pieces = np.split(arr, np.cumsum(_split_sizes(cfg, dc, leaf_path[-2]))[:-1], axis=0)
-    else:
-      pieces = [arr]
-    for name, piece in zip(names, pieces):
-      flat[name] = np.ascontiguousarray(piece)
+  flat = tensors_from(pure, _names, {f: _split_sizes(cfg, dc, f) for f in FUSED}, dtype=dtype)
   meta = {"format": FORMAT, "dtype": str(jnp.dtype(dtype)), "dflash": dataclasses.asdict(dc),
           "target_config": dataclasses.asdict(cfg), **(extra or {})}
   save_file(flat, str(wpath), metadata={"format": FORMAT})

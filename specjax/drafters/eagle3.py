@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import fill_from_tensors, leaves
+from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, embed_tokens, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
@@ -440,12 +440,7 @@ def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
 
 def head_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config): `X.safetensors` + `X.json`, or a directory with `eagle3_head.*`."""
-  path = Path(path)
-  if path.suffix == ".safetensors":
-    return path, path.with_suffix(".json")
-  if path.suffix == ".json":
-    return path.with_suffix(".safetensors"), path
-  return path / "eagle3_head.safetensors", path / "eagle3_head.json"
+  return file_paths(path, "eagle3_head")
 
 
 def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", extra: dict | None = None):
@@ -458,14 +453,7 @@ def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", 
   sizes = {"qkv_proj": (lay.n_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim),
            "gate_up_proj": (hc.ffn_dim, hc.ffn_dim)}
   pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-  flat = {}
-  for leaf_path, arr in leaves(pure):
-    names, transposed = _file_names(leaf_path)
-    arr = np.asarray(jnp.asarray(arr, dtype))
-    arr = arr.T if transposed else arr
-    pieces = np.split(arr, np.cumsum(sizes[leaf_path[-2]])[:-1], axis=0) if len(names) > 1 else [arr]
-    for name, piece in zip(names, pieces):
-      flat[name] = np.ascontiguousarray(piece)
+  flat = tensors_from(pure, _file_names, sizes, dtype=dtype)
   d2t = np.asarray(d2t, np.int64)
   flat["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
   flat["t2d"] = np.asarray(t2d_mask(d2t, hc.target.vocab_size))

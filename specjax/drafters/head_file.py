@@ -44,3 +44,30 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
       node = node.setdefault(int(p) if (int_keys and p.isdigit()) else p, {})
     node[path[-1]] = jnp.asarray(arr, dtype) if dtype is not None else jnp.asarray(arr)
   return out, used
+
+
+def file_paths(path, stem: str):
+  """(weights, config) of a head file: `X.safetensors` + `X.json` (either may be named), or a
+  directory holding `<stem>.safetensors` + `<stem>.json`."""
+  from pathlib import Path
+  path = Path(path)
+  if path.suffix == ".safetensors":
+    return path, path.with_suffix(".json")
+  if path.suffix == ".json":
+    return path.with_suffix(".safetensors"), path
+  return path / f"{stem}.safetensors", path / f"{stem}.json"
+
+
+def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], tuple[list[str], bool]],
+                 fused_sizes: dict, *, dtype, prefix: str = "") -> dict:
+  """The inverse of `fill_from_tensors`: file tensors (`dtype`, contiguous) of a nested parameter
+  dict; a fused leaf is split on axis 0 by fused_sizes[<its module name>]."""
+  flat = {}
+  for path, arr in leaves(pure):
+    names, transposed = file_names(path)
+    arr = np.asarray(jnp.asarray(arr, dtype))
+    arr = arr.T if transposed else arr
+    pieces = np.split(arr, np.cumsum(fused_sizes[path[-2]])[:-1], axis=0) if len(names) > 1 else [arr]
+    for name, piece in zip(names, pieces):
+      flat[prefix + name] = np.ascontiguousarray(piece)
+  return flat

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import fill_from_tensors, leaves
+from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm
@@ -281,14 +281,8 @@ def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
 
 
 def head_paths(path: str | Path) -> tuple[Path, Path]:
-  """(weights, config) of a head: `X.safetensors` + `X.json`, or a directory holding
-  `mtp_head.safetensors` + `mtp_head.json`."""
-  path = Path(path)
-  if path.suffix == ".safetensors":
-    return path, path.with_suffix(".json")
-  if path.suffix == ".json":
-    return path.with_suffix(".safetensors"), path
-  return path / "mtp_head.safetensors", path / "mtp_head.json"
+  """(weights, config) of a head: `X.safetensors` + `X.json`, or a directory with `mtp_head.*`."""
+  return file_paths(path, "mtp_head")
 
 
 def save_heads(path: str | Path, heads: Sequence, cfg: ModelConfig, *, dtype="bfloat16",
@@ -302,13 +296,7 @@ def save_heads(path: str | Path, heads: Sequence, cfg: ModelConfig, *, dtype="bf
   flat = {}
   for m, hp in enumerate(heads):
     pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-    for leaf_path, arr in leaves(pure):
-      names, transposed = _file_names(leaf_path)
-      arr = np.asarray(jnp.asarray(arr, dtype))
-      arr = arr.T if transposed else arr
-      pieces = np.split(arr, np.cumsum(sizes[leaf_path[-2]])[:-1], axis=0) if len(names) > 1 else [arr]
-      for name, piece in zip(names, pieces):
-        flat[f"mtp.{m}.{name}"] = np.ascontiguousarray(piece)
+    flat.update(tensors_from(pure, _file_names, sizes, dtype=dtype, prefix=f"mtp.{m}."))
   meta = {"format": FORMAT, "n_heads": len(heads), "dtype": str(jnp.dtype(dtype)),
           "target_config": dataclasses.asdict(cfg), **(extra or {})}
   save_file(flat, str(wpath), metadata={"format": FORMAT, "n_heads": str(len(heads))})
