@@ -6,6 +6,8 @@ Properties checked:
 - kernel == reference on random inputs: ragged lengths (0 and a full cache included), K+1 chains
   for K = 0..16, random trees, GQA ratios 1..6, several splits / row blocks / a ragged last block,
   bf16 and f32;
+- batch 1 under the split plan of a 132-SM GPU (many splits, splits without a block, an empty
+  history) equals the reference; the plan fills the grid to 2x the SMs unless the cache bounds it;
 - slots at or past length + T never enter the result (NaN there leaves the output finite and equal);
 - a model forward through the kernel equals the forward through the reference (logits and cache);
 - the dispatcher: reference on the CPU under auto, kernel when forced, reference for shapes the
@@ -85,6 +87,55 @@ def test_kernel_matches_reference(case):
   want = reference(q, k, v, ragged, d ** -0.5)
   assert got.shape == (b, t, h, d) and got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# batch 1 with the split plan of a 132-SM GPU: many splits over a long cache, splits left without
+# a block (length well below the capacity), an empty history, a tree
+BATCH1 = [
+    (1, 5, 4, 1, 16, 1500, 1490 - 5, jnp.float32, False),    # full cache, 24 splits of 64 slots
+    (1, 9, 6, 2, 16, 1200, 150, jnp.bfloat16, False),       # 3 blocks over 19 splits: most idle
+    (1, 17, 4, 2, 16, 900, 0, jnp.float32, False),          # empty history: only the new slots
+    (1, 8, 8, 2, 32, 1000, 613, jnp.float32, True),         # a tree, ragged last block
+]
+
+
+@pytest.mark.parametrize("case", BATCH1, ids=lambda c: f"T{c[1]}KV{c[3]}S{c[5]}L{c[6]}{'-tree' if c[8] else ''}")
+def test_batch1_split_plan_matches_reference(case):
+  b, t, h, kvh, d, s_cap, length, dtype, tree = case
+  q, k, v, ragged = random_case(b, t, h, kvh, d, s_cap, dtype, tree=tree, seed=s_cap + length)
+  ragged = va.RaggedMask(jnp.full((b,), length, jnp.int32), ragged.new_mask)
+  tl = va.tiling_for(b, t, h, kvh, d, s_cap, sm_count=132)
+  assert tl.n_splits == -(-s_cap // tl.block_k) > 1          # the cache bounds the splits here
+  got = jax.jit(functools.partial(va.pallas_verify_attention, scale=d ** -0.5, tiling=tl, interpret=True))(
+      q, k, v, ragged)
+  want = reference(q, k, v, ragged, d ** -0.5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (12, 2, 128), (4, 1, 64)], ids=["smollm2", "qwen1.5b", "mqa"])
+def test_split_plan_fills_the_gpu(heads):
+  """Programs over the committed slots reach 2x the SMs unless the cache (one block per split) or
+  MAX_SPLITS bounds them; blocks of 64 slots only where 128 would leave the grid short; batch 1
+  gets the most splits."""
+  h, kvh, d = heads
+  sms = 132
+  for t in (1, 5, 9, 17):
+    splits_by_batch = {}
+    for b in (1, 2, 8, 32, 64):
+      for ctx in (256, 1024, 4096, 16384, 65536):
+        cap = ctx + 64
+        tl = va.tiling_for(b, t, h, kvh, d, cap, sm_count=sms)
+        programs = b * kvh * (tl.rows // tl.block_m) * tl.n_splits
+        bounded = tl.n_splits in (-(-cap // tl.block_k), va.MAX_SPLITS)
+        assert programs >= 2 * sms or bounded, (b, ctx, t, tl)
+        assert programs < 2 * sms + b * kvh * (tl.rows // tl.block_m), (b, ctx, t, tl)   # no more than needed
+        assert tl.block_k in (64, 128)
+        if tl.block_k == 64 and tl.block_m * d < 8192:
+          assert -(-cap // 128) < -(-2 * sms // (b * kvh * (tl.rows // tl.block_m)))
+        splits_by_batch.setdefault(ctx, []).append(tl.n_splits)
+    for ctx, splits in splits_by_batch.items():
+      assert splits == sorted(splits, reverse=True)
+      assert ctx < 4096 or splits[0] > splits[-1]
 
 
 def test_stale_slots_never_enter_the_result():

@@ -115,6 +115,25 @@ def _sm_count() -> int:
     return 132
 
 
+MAX_SPLITS = 256                                 # bounds the partials the merge reads back
+
+
+def split_plan(batch: int, n_kv: int, n_rb: int, capacity: int, sm_count: int,
+               max_block_k: int = 128) -> tuple[int, int]:
+  """(block_k, n_splits) for the committed slots: enough programs to fill the GPU.
+
+  The grid has batch * n_kv * n_rb * n_splits programs over the committed slots. At batch 1 with
+  few KV heads that product is small, so the split count grows until the grid holds about two
+  programs per SM (`2 * sm_count`), bounded by the cache: a split holds at least one block of
+  `block_k` slots (the capacity is the static bound on the context), and by MAX_SPLITS. When
+  blocks of `max_block_k` slots are too few to reach the target, blocks of 64 give more splits.
+  """
+  per_split = batch * n_kv * n_rb
+  want = -(-2 * sm_count // per_split)
+  block_k = max_block_k if -(-capacity // max_block_k) >= want else min(64, max_block_k)
+  return block_k, max(1, min(want, -(-capacity // block_k), MAX_SPLITS))
+
+
 def tiling_for(batch: int, t: int, n_heads: int, n_kv: int, head_dim: int, capacity: int,
                sm_count: int | None = None) -> Tiling | None:
   """Block shapes for these sizes, or None where the kernel does not apply (prefill-sized T,
@@ -126,11 +145,9 @@ def tiling_for(batch: int, t: int, n_heads: int, n_kv: int, head_dim: int, capac
   if rows > MAX_ROWS:
     return None
   block_m = min(rows, 128, 16384 // head_dim)          # accumulator [block_m, D] f32 in registers
-  block_k = 64 if block_m * head_dim >= 8192 else 128
   n_rb = rows // block_m
-  sms = sm_count or _sm_count()
-  per_split = batch * n_kv * n_rb
-  n_splits = max(1, min(64, -(-2 * sms // per_split), -(-capacity // block_k)))
+  max_block_k = 64 if block_m * head_dim >= 8192 else 128   # big accumulators: smaller K/V tiles
+  block_k, n_splits = split_plan(batch, n_kv, n_rb, capacity, sm_count or _sm_count(), max_block_k)
   return Tiling(rows=rows, block_m=block_m, block_k=block_k, block_t=max(16, _pow2(t)),
                 n_splits=n_splits, num_warps=8 if block_m * head_dim >= 16384 else 4)
 
@@ -156,9 +173,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
   @pl.when(split < n_splits)
   def _committed():
     n_blocks = (length + block_k - 1) // block_k
-    per = (n_blocks + n_splits - 1) // n_splits
-    lo = split * per
-    hi = jnp.minimum(lo + per, n_blocks)
+    lo = split * n_blocks // n_splits                                            # balanced: no split idles
+    hi = (split + 1) * n_blocks // n_splits                                      # while blocks >= splits
 
     def body(i, carry):
       o, m, l = carry
