@@ -10,9 +10,12 @@ On disk, a dataset is a folder:
   shard_00000.prenorm.npy         [n, W, d_model] target pre-norm hidden states, `taps_dtype`
                                   (bfloat16 stored as its uint16 bits), memory-mapped when read
 
+  magpie_prompts_<i>.jsonl        the queries a `magpie` source i sampled from the target (specjax/train/magpie.py)
+
 Prompts come from the prompt sets (GSM8K train, Alpaca, HumanEval; never MT-bench, which is the
-evaluation set), each shuffled with the seed and interleaved round-robin, so shard s always holds
-the same prompts and a bigger `n_sequences` extends a dataset instead of changing it.
+evaluation set), each shuffled with the seed, and from `magpie` sources (user queries the target
+writes itself, in sampling order), interleaved round-robin, so shard s always holds the same prompts
+and a bigger `n_sequences` extends a dataset instead of changing it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,34 @@ EVAL_ONLY = ("mt_bench",)
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
-  name: str                          # prompt-set name (gsm8k, alpaca, humaneval) or a JSONL path
-  limit: int | None = None           # at most this many of its prompts
+  name: str                          # prompt-set name (gsm8k, alpaca, humaneval), a JSONL path, or "magpie"
+  limit: int | None = None           # at most this many of its prompts (magpie: queries to sample)
+  # magpie only: how the target writes the queries (specjax/train/magpie.py)
+  query_temperature: float = 1.0
+  query_top_p: float = 1.0
+  max_query_tokens: int = 96         # a query not closed within this many tokens is dropped
+  min_query_chars: int = 8           # shorter queries are dropped
+  max_query_batches: int | None = None   # stop sampling after this many batches (default 4 x needed + 2)
+
+  @property
+  def is_magpie(self) -> bool:
+    return self.name == "magpie"
+
+  def identity(self) -> dict:
+    """name and limit; the query settings too for a magpie source (a prompt set ignores them)."""
+    d = dataclasses.asdict(self)
+    return d if self.is_magpie else {"name": self.name, "limit": self.limit}
+
+  def check(self) -> None:
+    if self.name in EVAL_ONLY or Path(self.name).stem.startswith("mt_bench"):
+      raise ValueError(f"data source {self.name!r} is an evaluation set; train on gsm8k, alpaca, humaneval, magpie")
+    if not self.is_magpie:
+      extra = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("name", "limit") and v != getattr(SourceConfig, k)}
+      if extra:
+        raise ValueError(f"data source {self.name!r}: {sorted(extra)} apply to magpie sources only")
+    elif not self.limit:
+      raise ValueError("a magpie source needs a limit (how many queries to sample)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +93,7 @@ class DataConfig:
     d = dataclasses.asdict(self)
     d.pop("n_sequences")
     d.pop("dir")
+    d["sources"] = [s.identity() for s in self.sources]
     return d
 
 
@@ -100,15 +130,23 @@ def references(name_or_path: str) -> list[str | None]:
   return out
 
 
-def prompt_stream(dc: DataConfig, encode) -> Iterator[tuple[int, list[int], str | None]]:
-  """(source index, chat-encoded prompt tokens, reference answer or None): each source shuffled
-  with the seed, interleaved round-robin; prompts longer than max_prompt_len are skipped, and in
-  "reference" mode so are questions without an answer."""
+def prompt_stream(dc: DataConfig, encode, synthesized: dict[int, list[str]] | None = None
+                  ) -> Iterator[tuple[int, list[int], str | None]]:
+  """(source index, chat-encoded prompt tokens, reference answer or None): each prompt set shuffled
+  with the seed, each magpie source i in the order of `synthesized[i]` (its sampled queries),
+  interleaved round-robin; prompts longer than max_prompt_len are skipped, and in "reference" mode
+  so are questions without an answer."""
   from specjax.bench.prompts import load_prompt_set
   lists = []
   for i, src in enumerate(dc.sources):
-    if src.name in EVAL_ONLY or Path(src.name).stem.startswith("mt_bench"):
-      raise ValueError(f"data source {src.name!r} is an evaluation set; train on gsm8k, alpaca, humaneval")
+    src.check()
+    if src.is_magpie:
+      if dc.responses == "reference":
+        raise ValueError("a magpie source has no reference answers; use responses: target")
+      if synthesized is None or i not in synthesized:
+        raise ValueError(f"source {i} (magpie): its queries are sampled by build_dataset; none were given")
+      lists.append([(q, None) for q in synthesized[i][:src.limit]])
+      continue
     qs = load_prompt_set(src.name)
     refs = references(src.name) if dc.responses == "reference" else [None] * len(qs)
     order = np.random.default_rng(dc.seed + i).permutation(len(qs))
@@ -191,6 +229,8 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.sampling import SamplingParams
 
+  for src in dc.sources:   # before anything is written: an evaluation set never becomes training data
+    src.check()
   out = Path(out_dir or dc.dir)
   out.mkdir(parents=True, exist_ok=True)
   dtype_name = dtype_name or str(jax.tree_util.tree_leaves(target.params)[0].dtype)
@@ -220,7 +260,12 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   bs = dc.batch_size
   n_shards = -(-dc.n_sequences // bs)
   capacity = round_up(round_up(dc.max_prompt_len, PROMPT_BUCKET) + dc.max_new_tokens + 1, 64)
-  stream = prompt_stream(dc, encode)
+  synthesized = {}
+  for i, src in enumerate(dc.sources):
+    if src.is_magpie:
+      from specjax.train.magpie import synthesize_queries
+      synthesized[i] = synthesize_queries(target, src, dc, i, out / f"magpie_prompts_{i}.jsonl", progress=progress)
+  stream = prompt_stream(dc, encode, synthesized)
   have = sum(s["rows"] for s in done.values() if s["index"] < n_shards)
   bar = tqdm(total=n_shards * bs, initial=min(have, n_shards * bs), disable=not progress, desc="data",
              unit="seq", dynamic_ncols=True)

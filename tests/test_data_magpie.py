@@ -1,0 +1,120 @@
+"""Magpie prompts (specjax/train/magpie.py) with the real SmolLM2-135M-Instruct: the pre-query part
+and end-of-turn token come from the chat template; sampled queries are text that closed the user
+turn; sampling is deterministic for a seed and resumes from its cache exactly; a dataset with a
+magpie source resumes to identical shards; evaluation sets stay refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dataset, prompt_stream
+from specjax.train.magpie import MagpieTemplate, query_of, row_seeds, sample_queries, synthesize_queries
+
+MAGPIE = SourceConfig("magpie", limit=4, max_query_tokens=32, min_query_chars=8)
+
+
+def _config(out, **kw) -> DataConfig:
+  # query sampling and answering then share one cache capacity (128): one compilation on CPU
+  base = dict(dir=str(out), sources=(MAGPIE, SourceConfig("alpaca")), n_sequences=8, max_prompt_len=64,
+              max_new_tokens=8, batch_size=4, temperature=0.0, store_taps=False, seed=3)
+  return DataConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def template(smollm2_jax):
+  return MagpieTemplate.of(smollm2_jax.tokenizer)
+
+
+def test_template_is_the_chat_templates_user_turn(smollm2_jax, template):
+  """A chat-encoded user message = the pre-query part + the message's tokens + end-of-turn + the
+  assistant opening: the pre-query part holds SmolLM2's default system turn and ends with the
+  user turn's opening; the end-of-turn token is <|im_end|>, one of the target's stop tokens."""
+  tok = smollm2_jax.tokenizer
+  text = "How do I sort a list of tuples by their second element?"
+  chat = tok.encode_chat([{"role": "user", "content": text}])
+  body = tok.encode(text, add_bos=False, add_eos=False)
+  pre = list(template.pre_query)
+  assert chat[:len(pre)] == pre and chat[len(pre):len(pre) + len(body)] == body
+  assert chat[len(pre) + len(body)] == template.end_of_turn
+  assert tok.token_text(template.end_of_turn) == "<|im_end|>" and template.end_of_turn in tok.eos_ids
+  assert template.pre_query_text.startswith("<|im_start|>system\n") and template.pre_query_text.endswith(
+      "<|im_start|>user\n")
+
+
+def test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed(smollm2_jax, template, tmp_path):
+  """Raw samples that pass the filter end with the end-of-turn token and decode to non-empty text
+  without special tokens; synthesize_queries returns `limit` distinct queries, its first cached
+  batch being exactly the filtered samples of the same seeds (sampling is a function of the seed),
+  and one resumed from a torn cache (first batch + half a line) writes the same cache and returns
+  the same queries as an uninterrupted run."""
+  tok = smollm2_jax.tokenizer
+  seeds = row_seeds(3, 0, 0, 4)
+  raw = sample_queries(smollm2_jax, template, seeds, temperature=1.0, top_p=1.0, max_tokens=32)
+  kept = []
+  for tokens in raw:
+    text, why = query_of(tok, template, tokens, 8)
+    if text is None:
+      assert why in ("truncated", "special", "short")
+      assert why != "truncated" or tokens[-1] != template.end_of_turn
+      continue
+    kept.append(text)
+    assert tokens[-1] == template.end_of_turn and template.end_of_turn not in tokens[:-1]
+    assert text == text.strip() and len(text) >= 8 and "<|im" not in text
+  assert kept, [tok.decode(t, skip_special=False) for t in raw]
+
+  dc = _config(tmp_path)
+  full = synthesize_queries(smollm2_jax, MAGPIE, dc, 0, tmp_path / "full.jsonl", progress=False)
+  assert len(full) == 4 and len(set(full)) == 4 and all(isinstance(q, str) and q for q in full)
+  lines = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+  assert json.loads(lines[1])["queries"] == list(dict.fromkeys(kept))   # batch 0: the seeds sampled above
+  torn = lines[:2] + [lines[2][:len(lines[2]) // 2]] if len(lines) > 2 else lines[:1] + [lines[1][:10]]
+  (tmp_path / "torn.jsonl").write_text("".join(torn))
+  again = synthesize_queries(smollm2_jax, MAGPIE, dc, 0, tmp_path / "torn.jsonl", progress=False)
+  assert again == full
+  assert (tmp_path / "torn.jsonl").read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+  with pytest.raises(ValueError, match="other settings"):
+    synthesize_queries(smollm2_jax, dataclasses.replace(MAGPIE, query_temperature=0.5), dc, 0,
+                       tmp_path / "full.jsonl", progress=False)
+
+
+def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, tmp_path):
+  """A dataset of magpie queries + Alpaca prompts built as 4 then 8 rows equals one built as 8 at
+  once (same query cache, same shard bytes); its magpie rows are the chat encoding of the cached
+  queries answered by the target; MT-bench (by name or file) is refused before anything is
+  written, and query settings on a prompt set are refused."""
+  from specjax.bench.prompts import resolve
+  try:
+    resolve("alpaca")
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  tok = smollm2_jax.tokenizer
+  a, b = tmp_path / "a", tmp_path / "b"
+  build_dataset(smollm2_jax, _config(a, n_sequences=4), progress=False)
+  assert len(ShardDataset(a)) == 4
+  build_dataset(smollm2_jax, _config(a), progress=False)
+  build_dataset(smollm2_jax, _config(b), progress=False)
+  for name in ("magpie_prompts_0.jsonl", "shard_00000.npz", "shard_00001.npz"):
+    assert (a / name).read_bytes() == (b / name).read_bytes(), name
+  ds = ShardDataset(b)
+  assert len(ds) == 8
+  queries = [q for line in (b / "magpie_prompts_0.jsonl").read_text().splitlines()[1:]
+             for q in json.loads(line)["queries"]][:4]
+  src, toks, plens = ds.arrays["source"], ds.arrays["tokens"], ds.arrays["prompt_lens"]
+  magpie_prompts = [toks[r, :plens[r]].tolist() for r in np.flatnonzero(src == 0)]
+  chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in queries]
+  assert magpie_prompts == [c for c in chats if len(c) <= 64] and len(magpie_prompts) >= 2
+  streamed = [p for i, p, _ in prompt_stream(_config(b), lambda t: tok.encode_chat([{"role": "user", "content": t}]),
+                                             {0: queries}) if i == 0]
+  assert streamed == magpie_prompts
+
+  for bad in ("mt_bench", str(resolve("mt_bench"))):
+    with pytest.raises(ValueError, match="evaluation set"):
+      build_dataset(smollm2_jax, _config(tmp_path / "mt", sources=(SourceConfig(bad),)), progress=False)
+  assert not (tmp_path / "mt").exists()
+  with pytest.raises(ValueError, match="magpie sources only"):
+    build_dataset(smollm2_jax, _config(tmp_path / "x", sources=(SourceConfig("alpaca", query_top_p=0.9),)),
+                  progress=False)
