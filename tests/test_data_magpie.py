@@ -118,3 +118,19 @@ def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, tmp
   with pytest.raises(ValueError, match="magpie sources only"):
     build_dataset(smollm2_jax, _config(tmp_path / "x", sources=(SourceConfig("alpaca", query_top_p=0.9),)),
                   progress=False)
+
+
+@pytest.mark.parametrize("mtp,eagle3", [("configs/mtp_smollm2_gpu2.yaml", "configs/eagle3_smollm2_gpu2.yaml"),
+                                        ("configs/mtp_smollm2_gpu2_smoke.yaml", "configs/eagle3_smollm2_gpu2_smoke.yaml")])
+def test_gpu2_configs_share_one_data_build(mtp, eagle3):
+  """The MTP and EAGLE-3 configs of the second GPU run load strictly and name the same datasets
+  with the same settings (so `train eagle3` resumes the folders `train data` built instead of
+  refusing or regenerating them); their main dataset samples magpie queries; no source is MT-bench."""
+  from specjax.train import eagle3 as e3
+  from specjax.train.mtp import load_spec
+  a, b = load_spec(mtp), e3.load_spec(eagle3)
+  assert (a.data, a.extra_data, a.dtype, a.target) == (b.data, b.extra_data, b.dtype, b.target)
+  assert a.data.sources[0].is_magpie and a.data.responses == "target"
+  for dc in (a.data,) + a.extra_data:
+    for src in dc.sources:
+      src.check()

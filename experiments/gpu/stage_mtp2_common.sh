@@ -1,0 +1,29 @@
+# Sourced by experiments/gpu/stage_mtp2_{data,train,eval}.sh: the GPU environment (env.sh), or with
+# SMOKE=1 a CPU-sized run here (configs/mtp_smollm2_gpu2_smoke.yaml, persisted under /tmp).
+if [ "${SMOKE:-0}" = 1 ]; then
+  set -e
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+  export SPECJAX_GIT_REV=${SPECJAX_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  CFG=${CFG:-configs/mtp_smollm2_gpu2_smoke.yaml}
+  PERSIST=${PERSIST:-/tmp/mtp2_smoke_persist}
+  OUT=${OUT:-/tmp/mtp2_smoke_out}
+else
+  source experiments/gpu/env.sh
+  CFG=${CFG:-configs/mtp_smollm2_gpu2.yaml}
+  PERSIST=${PERSIST:-/root/persist}
+fi
+: "${OUT:?set OUT to the folder whose files come back}"
+mkdir -p "$OUT" "$PERSIST"
+# the config's data folders, out_dir and export, e.g. "out/mtp_gpu2/data_greedy out/mtp_gpu2/data_ref ..."
+read -r OUTDIR EXPORT DATA_DIRS <<<"$(python3 -c "
+from specjax.train.mtp import load_spec
+s = load_spec('$CFG')
+print(s.out_dir, s.export, ' '.join([s.data.dir] + [e.dir for e in s.extra_data]))")"
+# progress bars: keep their last state only (and lines that are not bars)
+bars() { tr '\r' '\n' | grep --line-buffered -v -E '^\s*$' | grep --line-buffered -E '100%\||^[^|]*$' || true; }
+# the data folders built so far -> $PERSIST/mtp2_data.tar (restored by the next stage with `tar xf`)
+persist_data() {
+  local have=""
+  for d in $DATA_DIRS; do [ -d "$d" ] && have="$have $d"; done
+  if [ -n "$have" ]; then tar cf "$PERSIST/mtp2_data.tar" $have; else echo "[mtp2] no data folder to persist"; fi
+}

@@ -1,0 +1,29 @@
+# Optional: an EAGLE-3 head on the same data as the second MTP head (configs/eagle3_smollm2_gpu2.yaml,
+# whose data sections are configs/mtp_smollm2_gpu2.yaml's): restores the folders of
+# stage_mtp2_data.sh from /root/persist, trains with the training-time test for time_budget_s (300 s
+# after compilation), exports. ~6.5 minutes on an H200, capped at E3_TIMEOUT (450 s). The head goes
+# to /root/persist/eagle3_gpu2; into $OUT: the head, metrics.jsonl, training curve, summary, the log.
+#   bash experiments/gpu/stage_mtp2_eagle3.sh
+#   SMOKE=1 bash experiments/gpu/stage_mtp2_eagle3.sh   # CPU-sized (configs/eagle3_smollm2_gpu2_smoke.yaml)
+source experiments/gpu/stage_mtp2_common.sh
+if [ "${SMOKE:-0}" = 1 ]; then E3=configs/eagle3_smollm2_gpu2_smoke.yaml; else E3=configs/eagle3_smollm2_gpu2.yaml; fi
+read -r E3_OUTDIR E3_EXPORT <<<"$(python3 -c "
+from specjax.train.eagle3 import load_spec
+s = load_spec('$E3')
+print(s.out_dir, s.export)")"
+{
+  echo "[mtp2 eagle3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
+  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[mtp2 eagle3] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first"; exit 1; }
+  tar xf "$PERSIST/mtp2_data.tar"
+  t0=$(date +%s)
+  set +e
+  timeout "${E3_TIMEOUT:-450}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
+  echo "[mtp2 eagle3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  set -e
+  if [ -f "$E3_EXPORT" ]; then
+    mkdir -p "$PERSIST/eagle3_gpu2" && cp "${E3_EXPORT%.safetensors}".* "$PERSIST/eagle3_gpu2/" && cp "${E3_EXPORT%.safetensors}".* "$OUT/"
+  fi
+  for f in metrics.jsonl training_curve.png; do [ -f "$E3_OUTDIR/$f" ] && cp "$E3_OUTDIR/$f" "$OUT/eagle3_$f"; done
+  [ -f "$E3_OUTDIR/summary.json" ] && cp "$E3_OUTDIR/summary.json" "$OUT/eagle3_gpu2_train_summary.json"
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/stage_mtp2_eagle3.log"
