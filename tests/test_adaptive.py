@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof, chi2_two_sample, perturb
+from conftest import perturb
 from specjax import adaptive as adapt
 from specjax.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramSimple
 from specjax.engine import speculative_generate
 from specjax.sampling import SamplingParams
-from test_engine import N_SEQ, P_FAIL, P_PASS, STAT_NEW, STAT_PROMPT, _exact_law, _joint_counts, peaked_target  # noqa: F401
+from test_engine import N_SEQ, peaked_target  # noqa: F401
+from token_law import COLD_TEMPERATURE, STAT_NEW, STAT_PROMPT, check_token_law, decoder_law
 
 K = 4
 MAX_NEW = 24
@@ -85,21 +86,16 @@ def test_adaptive_sampling_preserves_the_token_law(peaked_target):
   seeds = list(range(20_000, 20_000 + N_SEQ))
   prompts = [STAT_PROMPT] * N_SEQ
   shape = dict(temperature=1.0)
-  exact = _exact_law(params, cfg, shape)
+  exact = decoder_law(params, cfg, shape)
   sampling = SamplingParams.make(N_SEQ, seed=seeds, **shape)
   ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 1.3, 1.4))
   spec = speculative_generate(params, cfg, prompts, drafter, max_new_tokens=STAT_NEW, sampling=sampling, adaptive=ac)
   assert spec.stats.gen_tokens > 0, spec.stats.format()
   plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
-  c_spec, c_plain = _joint_counts(spec.tokens, v), _joint_counts(plain.tokens, v)
-  _, df, p_spec = chi2_gof(c_spec, exact)
-  assert p_spec >= P_PASS, f"adaptive speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
-  _, df, p_two = chi2_two_sample(c_spec, c_plain)
-  assert p_two >= P_PASS, f"adaptive speculative and plain samples differ (p={p_two:.3g}, df={df})"
   colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
-                          sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=0.7))
-  _, _, p_cold = chi2_gof(_joint_counts(colder.tokens, v), exact)
-  assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+                          sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=COLD_TEMPERATURE))
+  check_token_law(exact, v, spec.tokens, plain.tokens, colder.tokens, plain_fits=False,
+                  what="adaptive speculative sampling")
 
 
 def test_calibration_measures_every_width(tiny_llama):
@@ -108,3 +104,24 @@ def test_calibration_measures_every_width(tiny_llama):
   c = adapt.calibrate(params, cfg, 2, 64, (0, 1, 2), repeats=2)
   assert c.shape == (3,) and np.all(c > 0) and np.all(np.diff(c) >= 0)
   assert adapt.calibrate(params, cfg, 2, 64, (0, 1, 2)) is c
+
+
+def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama):
+  """A benchmark's warm-up (`warm_widths=True`) compiles the segment program of every width; a
+  following run of the same shapes adds no compilation whatever widths its controller picks (the
+  widths a short warm-up never chose used to compile inside the timed run: 0.035x of plain decoding
+  at batch 64 on an H200). The warm-up leaves its inputs alone: the output is still lossless."""
+  from specjax.engine import _adaptive_segment
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), costs=(1.0, 1.1, 1.15, 1.2), segment_rounds=2)
+  drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=3))
+  before = _adaptive_segment._cache_size()
+  warm = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True,
+                              adaptive=ac)
+  compiled = _adaptive_segment._cache_size()
+  assert compiled - before >= len(ac.widths_for(K)), (before, compiled)
+  assert warm.tokens == [t[:2] for t in plain]
+  res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
+  assert _adaptive_segment._cache_size() == compiled
+  assert res.tokens == plain

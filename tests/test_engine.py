@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof, chi2_two_sample, jit_forward, perturb, random_params
+from conftest import chi2_gof, jit_forward, perturb, random_params
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftContext, DraftParams
 from specjax.drafters.draft_model import DraftModelDrafter, IncompatibleDraftError, check_compatible
@@ -18,6 +18,7 @@ from specjax.engine import speculative_generate
 from specjax.models.decoder import forward
 from specjax.sampling import SamplingParams, shaped_probs
 from specjax.state import KVCache
+from token_law import COLD_TEMPERATURE, P_FAIL, STAT_NEW, STAT_PROMPT, check_token_law, decoder_law, joint_counts
 
 K = 4                       # drafter.max_draft in the greedy tests
 MAX_NEW = 24                # same as test_kvcache: shares generate_plain's compilation
@@ -110,10 +111,6 @@ def test_greedy_lossless_with_stop_token(tiny_llama, noisy_drafter, plain3):
 # sampled losslessness: the law of the first generated tokens
 
 N_SEQ = 4000
-STAT_PROMPT = [3, 1, 4, 1, 5]
-STAT_NEW = 3
-P_PASS = 1e-4
-P_FAIL = 1e-12
 
 
 @pytest.fixture(scope="module")
@@ -129,27 +126,6 @@ def peaked_target(tiny_llama):
   return cfg, params
 
 
-def _exact_law(params, cfg, sampling_kw) -> np.ndarray:
-  """Exact P(t1, t2, t3) [V, V, V] of the first three tokens after STAT_PROMPT under plain
-  sampling, from the target's shaped next-token distributions at every 2-token prefix."""
-  v = cfg.vocab_size
-  t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-  n = len(STAT_PROMPT)
-  seqs = np.concatenate([np.broadcast_to(STAT_PROMPT, (v * v, n)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-  logits, _, _ = jit_forward(params, cfg, jnp.asarray(seqs, jnp.int32), KVCache.init(cfg, v * v, n + 2))
-  probs = np.asarray(shaped_probs(logits[:, n - 1:], SamplingParams.make(v * v, **sampling_kw)), np.float64)
-  p1 = probs[0, 0]                          # [V]
-  p2 = probs[::v, 1]                        # [V(t1), V]
-  p3 = probs[:, 2].reshape(v, v, v)         # [t1, t2, V]
-  return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def _joint_counts(tokens, v) -> np.ndarray:
-  a = np.asarray(tokens)
-  assert a.shape == (N_SEQ, STAT_NEW)
-  return np.bincount((a[:, 0] * v + a[:, 1]) * v + a[:, 2], minlength=v ** 3).astype(np.float64)
-
-
 @pytest.mark.parametrize("shape", [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9)],
                          ids=["temp1", "temp1_topk5_topp0.9"])
 def test_sampled_speculation_preserves_the_token_law(peaked_target, shape):
@@ -163,27 +139,17 @@ def test_sampled_speculation_preserves_the_token_law(peaked_target, shape):
   drafter = DraftModelDrafter(cfg=cfg, max_draft=3, weights=perturb(params, DRAFT_SIGMA, seed=2))
   seeds = list(range(10_000, 10_000 + N_SEQ))
   prompts = [STAT_PROMPT] * N_SEQ
-  exact = _exact_law(params, cfg, shape)
+  exact = decoder_law(params, cfg, shape)
 
   sampling = SamplingParams.make(N_SEQ, seed=seeds, **shape)
   spec = speculative_generate(params, cfg, prompts, drafter, max_new_tokens=STAT_NEW, sampling=sampling)
   plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
   assert 0.2 <= spec.stats.acceptance_rate <= 0.9, spec.stats.format()
-  c_spec, c_plain = _joint_counts(spec.tokens, v), _joint_counts(plain.tokens, v)
-
-  _, df, p_plain = chi2_gof(c_plain, exact)
-  assert p_plain >= P_PASS, f"plain sampling does not fit its own exact law (p={p_plain:.3g}, df={df})"
-  _, df, p_spec = chi2_gof(c_spec, exact)
-  assert p_spec >= P_PASS, f"speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
-  _, df, p_two = chi2_two_sample(c_spec, c_plain)
-  assert p_two >= P_PASS, f"speculative and plain samples differ (p={p_two:.3g}, df={df})"
-
-  colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
-                          sampling=SamplingParams.make(N_SEQ, seed=seeds, **{**shape, "temperature": 0.7}))
-  _, _, p_cold = chi2_gof(_joint_counts(colder.tokens, v), exact)
-  assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+  colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=SamplingParams.make(
+      N_SEQ, seed=seeds, **{**shape, "temperature": COLD_TEMPERATURE}))
+  check_token_law(exact, v, spec.tokens, plain.tokens, colder.tokens)
   if "top_k" in shape:
-    _, _, p_untrunc = chi2_gof(c_spec, _exact_law(params, cfg, dict(temperature=1.0)))
+    _, _, p_untrunc = chi2_gof(joint_counts(spec.tokens, v), decoder_law(params, cfg, dict(temperature=1.0)))
     assert p_untrunc < P_FAIL, f"the statistic cannot tell the truncated law from the full one (p={p_untrunc:.3g})"
 
 

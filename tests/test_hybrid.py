@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof, chi2_two_sample, randomize_hf_
+from conftest import randomize_hf_
 from specjax.drafters.ngram_device import NgramSimpleDevice
 from specjax.decode import generate_plain
 from specjax.drafters.hybrid_draft_model import HybridDraftModelDrafter
@@ -24,7 +24,8 @@ from specjax.engine import speculative_generate
 from specjax.models.gated_deltanet import gated_delta_chunked, gated_delta_recurrent
 from specjax.models.hybrid import hybrid_forward, load_hybrid, rollback_redecode
 from specjax.recurrent_state import HybridState, rollback_per_step
-from specjax.sampling import SamplingParams, shaped_probs
+from specjax.sampling import SamplingParams
+from token_law import COLD_TEMPERATURE, STAT_NEW, STAT_PROMPT, check_token_law, exact_joint_law
 
 V = 16
 MAX_NEW = 32                # the greedy parity length; also the losslessness runs (shared compilation)
@@ -303,10 +304,6 @@ def test_greedy_speculation_is_lossless(pair, noisy_drafter, plain3, rollback, d
 # sampled losslessness: the law of the first generated tokens (the engine test, hybrid target)
 
 N_SEQ = 4000
-STAT_PROMPT = [3, 1, 4, 1, 5]
-STAT_NEW = 3
-P_PASS = 1e-4
-P_FAIL = 1e-12
 
 
 @pytest.fixture(scope="module")
@@ -319,19 +316,9 @@ def peaked(pair):
   pure = nnx.to_pure_dict(params)
   pure["lm_head"]["kernel"] = pure["lm_head"]["kernel"] * 2.0
   nnx.replace_by_pure_dict(params, pure)
-  t1, t2 = np.meshgrid(np.arange(V), np.arange(V), indexing="ij")
-  n = len(STAT_PROMPT)
-  seqs = np.concatenate([np.broadcast_to(STAT_PROMPT, (V * V, n)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-  logits = fwd(params, jnp.asarray(seqs, jnp.int32), HybridState.init(cfg, V * V, n + 2), cfg=cfg)[0]
-  probs = np.asarray(shaped_probs(logits[:, n - 1:], SamplingParams.make(V * V, temperature=1.0)), np.float64)
-  exact = probs[0, 0][:, None, None] * probs[::V, 1][:, :, None] * probs[:, 2].reshape(V, V, V)
+  exact = exact_joint_law(lambda seqs: fwd(params, seqs, HybridState.init(cfg, *seqs.shape), cfg=cfg)[0], V,
+                          dict(temperature=1.0))
   return cfg, params, exact
-
-
-def _joint_counts(tokens) -> np.ndarray:
-  a = np.asarray(tokens)
-  assert a.shape == (N_SEQ, STAT_NEW)
-  return np.bincount((a[:, 0] * V + a[:, 1]) * V + a[:, 2], minlength=V ** 3).astype(np.float64)
 
 
 @pytest.mark.parametrize("rollback", ["redecode"])   # "per_step" passes too; one mode keeps the file fast
@@ -349,17 +336,9 @@ def test_sampled_speculation_preserves_the_token_law(peaked, rollback):
                                      sampling=sampling)
   assert 0.2 <= spec.stats.acceptance_rate <= 0.9, spec.stats.format()
   plain = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW, sampling=sampling)
-  c_spec, c_plain = _joint_counts(spec.tokens), _joint_counts(plain.tokens)
-  _, df, p_plain = chi2_gof(c_plain, exact)
-  assert p_plain >= P_PASS, f"plain sampling does not fit its own exact law (p={p_plain:.3g}, df={df})"
-  _, df, p_spec = chi2_gof(c_spec, exact)
-  assert p_spec >= P_PASS, f"speculative sampling changed the token law (p={p_spec:.3g}, df={df})"
-  _, df, p_two = chi2_two_sample(c_spec, c_plain)
-  assert p_two >= P_PASS, f"speculative and plain samples differ (p={p_two:.3g}, df={df})"
   colder = generate_plain(params, cfg, prompts, max_new_tokens=STAT_NEW,
-                                 sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=0.7))
-  _, _, p_cold = chi2_gof(_joint_counts(colder.tokens), exact)
-  assert p_cold < P_FAIL, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+                          sampling=SamplingParams.make(N_SEQ, seed=seeds, temperature=COLD_TEMPERATURE))
+  check_token_law(exact, V, spec.tokens, plain.tokens, colder.tokens, what="speculative sampling (hybrid target)")
 
 
 def test_api_and_cli_take_the_rollback_mode(hf_ckpt):

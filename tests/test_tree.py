@@ -11,16 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof, chi2_two_sample, jit_forward
+from conftest import chi2_gof
 from specjax.decode import generate_plain
 from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
 from specjax.engine import speculative_generate, verify_tree_and_accept
 from specjax.generation import GenState
 from specjax.models.decoder import forward
 from specjax.models.hybrid import HybridConfig
-from specjax.sampling import SamplingParams, init_keys, shaped_probs
+from specjax.sampling import SamplingParams, init_keys
 from specjax.state import KVCache
 from specjax.tree import TreeDraft, accept_tree, tree_shape
+from token_law import COLD_TEMPERATURE, N_GREEDY, STAT_PROMPT, check_token_law, decoder_law, mixed_sampling
 
 # ----------------------------------------------------------------------------------------------
 # the tree sampler alone: an abstract target over a 5-token vocabulary
@@ -332,25 +333,6 @@ def test_greedy_tree_speculation_is_lossless(tiny_llama, tree_drafter, which):
 
 
 N_SEQ = 1000
-STAT_PROMPT = [3, 1, 4, 1, 5]
-STAT_NEW = 3
-SHAPE = dict(temperature=1.0, top_k=5, top_p=0.9)
-
-
-def _exact_law(params, cfg) -> np.ndarray:
-  """P(t1, t2, t3) [V, V, V] of plain sampling after STAT_PROMPT, from the target's shaped
-  distributions at every 2-token continuation."""
-  v, n = cfg.vocab_size, len(STAT_PROMPT)
-  t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-  seqs = np.concatenate([np.broadcast_to(STAT_PROMPT, (v * v, n)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-  logits, _, _ = jit_forward(params, cfg, jnp.asarray(seqs, jnp.int32), KVCache.init(cfg, v * v, n + 2))
-  probs = np.asarray(shaped_probs(logits[:, n - 1:], SamplingParams.make(v * v, **SHAPE)), np.float64)
-  return probs[0, 0][:, None, None] * probs[::v, 1][:, :, None] * probs[:, 2].reshape(v, v, v)
-
-
-def _counts(tokens, v) -> np.ndarray:
-  a = np.asarray([t[:STAT_NEW] for t in tokens])
-  return np.bincount((a[:, 0] * v + a[:, 1]) * v + a[:, 2], minlength=v ** 3).astype(np.float64)
 
 
 def test_sampled_tree_speculation_preserves_the_token_law(tiny_llama, tree_drafter):
@@ -363,9 +345,7 @@ def test_sampled_tree_speculation_preserves_the_token_law(tiny_llama, tree_draft
   cfg, params = tiny_llama
   v = cfg.vocab_size
   prompts = PROMPTS3 + [STAT_PROMPT] * N_SEQ
-  seeds = list(range(30_000, 30_003 + N_SEQ))
-  temps = [0.0] * 3 + [SHAPE["temperature"]] * N_SEQ
-  sampling = SamplingParams.make(len(prompts), temperature=temps, top_k=SHAPE["top_k"], top_p=SHAPE["top_p"], seed=seeds)
+  sampling = mixed_sampling(N_SEQ, first_seed=30_000)
   spec = speculative_generate(params, cfg, prompts, tree_drafter, max_new_tokens=12, sampling=sampling)
   plain = generate_plain(params, cfg, prompts, max_new_tokens=12, sampling=sampling)
   st = spec.stats
@@ -374,17 +354,8 @@ def test_sampled_tree_speculation_preserves_the_token_law(tiny_llama, tree_draft
   tau = sum(st.per_seq_emitted[3:]) / max(sum(st.per_seq_rounds[3:]), 1)
   assert 0.02 <= acc <= 0.5 and tau > 1.3, f"sampled rows: acceptance per node {acc:.3f}, tau {tau:.2f}"
 
-  exact = _exact_law(params, cfg)
-  c_spec, c_plain = _counts(spec.tokens[3:], v), _counts(plain.tokens[3:], v)
-  _, df, p_plain = chi2_gof(c_plain, exact)
-  assert p_plain >= 1e-4, f"plain sampling does not fit its own exact law (p={p_plain:.3g}, df={df})"
-  _, df, p_spec = chi2_gof(c_spec, exact)
-  assert p_spec >= 1e-4, f"tree speculation changed the token law (p={p_spec:.3g}, df={df})"
-  _, df, p_two = chi2_two_sample(c_spec, c_plain)
-  assert p_two >= 1e-4, f"tree-speculative and plain samples differ (p={p_two:.3g}, df={df})"
-  colder = generate_plain(params, cfg, prompts, max_new_tokens=12, sampling=SamplingParams.make(
-      len(prompts), temperature=[0.0] * 3 + [0.7] * N_SEQ, top_k=SHAPE["top_k"], top_p=SHAPE["top_p"], seed=seeds))
-  _, _, p_cold = chi2_gof(_counts(colder.tokens[3:], v), exact)
-  print(f"tree, sampled rows: acceptance {acc:.3f}, tau {tau:.2f}; p(spec) {p_spec:.3g}, p(two) {p_two:.3g}, "
-        f"p(plain) {p_plain:.3g}, p(T=0.7) {p_cold:.3g}")
-  assert p_cold < 1e-12, f"the statistic cannot tell temperature 0.7 from 1.0 (p={p_cold:.3g})"
+  print(f"tree, sampled rows: acceptance {acc:.3f}, tau {tau:.2f}")
+  colder = generate_plain(params, cfg, prompts, max_new_tokens=12,
+                          sampling=mixed_sampling(N_SEQ, first_seed=30_000, temperature=COLD_TEMPERATURE))
+  check_token_law(decoder_law(params, cfg), v, spec.tokens[N_GREEDY:], plain.tokens[N_GREEDY:],
+                  colder.tokens[N_GREEDY:], what="tree speculation")
