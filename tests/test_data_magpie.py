@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -29,6 +30,13 @@ def template(smollm2_jax):
   return MagpieTemplate.of(smollm2_jax.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def magpie_cache(smollm2_jax, tmp_path_factory):
+  """The queries of source 0 of `_config` sampled once, uninterrupted: (queries, cache file)."""
+  path = tmp_path_factory.mktemp("magpie") / "full.jsonl"
+  return synthesize_queries(smollm2_jax, MAGPIE, _config(path.parent), 0, path, progress=False), path
+
+
 def test_template_is_the_chat_templates_user_turn(smollm2_jax, template):
   """A chat-encoded user message = the pre-query part + the message's tokens + end-of-turn + the
   assistant opening: the pre-query part holds SmolLM2's default system turn and ends with the
@@ -45,7 +53,7 @@ def test_template_is_the_chat_templates_user_turn(smollm2_jax, template):
       "<|im_start|>user\n")
 
 
-def test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed(smollm2_jax, template, tmp_path):
+def test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed(smollm2_jax, template, magpie_cache, tmp_path):
   """Raw samples that pass the filter end with the end-of-turn token and decode to non-empty text
   without special tokens; synthesize_queries returns `limit` distinct queries, its first cached
   batch being exactly the filtered samples of the same seeds (sampling is a function of the seed),
@@ -67,23 +75,24 @@ def test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed(smollm2_jax, 
   assert kept, [tok.decode(t, skip_special=False) for t in raw]
 
   dc = _config(tmp_path)
-  full = synthesize_queries(smollm2_jax, MAGPIE, dc, 0, tmp_path / "full.jsonl", progress=False)
+  full, full_path = magpie_cache
   assert len(full) == 4 and len(set(full)) == 4 and all(isinstance(q, str) and q for q in full)
-  lines = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+  lines = full_path.read_text().splitlines(keepends=True)
   assert json.loads(lines[1])["queries"] == list(dict.fromkeys(kept))   # batch 0: the seeds sampled above
   torn = lines[:2] + [lines[2][:len(lines[2]) // 2]] if len(lines) > 2 else lines[:1] + [lines[1][:10]]
   (tmp_path / "torn.jsonl").write_text("".join(torn))
   again = synthesize_queries(smollm2_jax, MAGPIE, dc, 0, tmp_path / "torn.jsonl", progress=False)
   assert again == full
-  assert (tmp_path / "torn.jsonl").read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+  assert (tmp_path / "torn.jsonl").read_bytes() == full_path.read_bytes()
   with pytest.raises(ValueError, match="other settings"):
     synthesize_queries(smollm2_jax, dataclasses.replace(MAGPIE, query_temperature=0.5), dc, 0,
-                       tmp_path / "full.jsonl", progress=False)
+                       tmp_path / "torn.jsonl", progress=False)
 
 
-def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, tmp_path):
-  """A dataset of magpie queries + Alpaca prompts built as 4 then 8 rows equals one built as 8 at
-  once (same query cache, same shard bytes); its magpie rows are the chat encoding of the cached
+def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, magpie_cache, tmp_path):
+  """A dataset of magpie queries + Alpaca prompts built as 4 then 8 rows (its queries sampled by
+  build_dataset) equals one built as 8 at once from the cache of a standalone sampling run (same
+  query cache, same shard bytes); its magpie rows are the chat encoding of the cached
   queries answered by the target; MT-bench (by name or file) is refused before anything is
   written, and query settings on a prompt set are refused."""
   from specjax.bench.prompts import resolve
@@ -96,6 +105,8 @@ def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, tmp
   build_dataset(smollm2_jax, _config(a, n_sequences=4), progress=False)
   assert len(ShardDataset(a)) == 4
   build_dataset(smollm2_jax, _config(a), progress=False)
+  b.mkdir()
+  shutil.copy(magpie_cache[1], b / "magpie_prompts_0.jsonl")
   build_dataset(smollm2_jax, _config(b), progress=False)
   for name in ("magpie_prompts_0.jsonl", "shard_00000.npz", "shard_00001.npz"):
     assert (a / name).read_bytes() == (b / name).read_bytes(), name
