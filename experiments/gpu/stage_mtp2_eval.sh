@@ -5,6 +5,7 @@
 # ~190 s in session 2), capped at EVAL_TIMEOUT (540 s). Into $OUT: the bench JSON + PNG, the log.
 #   bash experiments/gpu/stage_mtp2_eval.sh greedy      # GPU, temperature 0
 #   bash experiments/gpu/stage_mtp2_eval.sh t07         # GPU, temperature 0.7
+#   EVAL_LIMIT=40 bash experiments/gpu/stage_mtp2_eval.sh t07   # first 40 questions only (~3 min)
 #   SMOKE=1 bash experiments/gpu/stage_mtp2_eval.sh     # CPU-sized (configs/mtp_smollm2_gpu2_smoke_bench.yaml)
 PART=${1:-greedy}
 source experiments/gpu/stage_mtp2_common.sh
@@ -19,7 +20,7 @@ fi
 {
   echo "[mtp2 eval] rev $SPECJAX_GIT_REV, $BENCH, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   t0=$(date +%s)
-  timeout "${EVAL_TIMEOUT:-540}" python3 -m specjax.cli bench --config "$BENCH" --out "$OUT" 2>&1 | bars \
+  timeout "${EVAL_TIMEOUT:-540}" python3 -m specjax.cli bench --config "$BENCH" ${EVAL_LIMIT:+--limit $EVAL_LIMIT} --out "$OUT" 2>&1 | bars \
     || echo "[mtp2 eval] bench failed or timed out"
   echo "[mtp2 eval] $(( $(date +%s) - t0 )) s"
   ls -la "$OUT"
