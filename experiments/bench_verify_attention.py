@@ -159,7 +159,7 @@ def end_to_end(args, budget_s: float) -> dict:
       row["equal_to_xla"] = sum(x == y for x, y in zip(a, b)) / len(a)
       base = next(r for r in runs if r["impl"] == "xla" and r["batch"] == row["batch"])
       row["speedup_vs_xla"] = row["tokens_per_s"] / base["tokens_per_s"]
-  probes = [{"shape": list(key[:6]), "dtype": key[6], "kernel_ok": ok} for key, ok in va._probed.items()]
+  probes = [{"shape": list(key[:6]), "dtype": key[6], "kernel_ok": ok} for key, ok in va.SWITCH.probed.items()]
   return {"model": args.model, "speculator": "ngram_simple (device)", "runs": runs, "kernel_probes": probes}
 
 

@@ -229,8 +229,8 @@ def test_kernel_that_fails_to_compile_falls_back_once(impl, monkeypatch, caplog)
   runs Pallas in interpret mode), the reference is used and one warning is logged."""
   impl("auto")
   monkeypatch.setattr(va, "_on_gpu", lambda: True)
-  monkeypatch.setattr(va, "_probed", {})
-  monkeypatch.setattr(va, "_warned", set())
+  monkeypatch.setattr(va.SWITCH, "probed", {})
+  monkeypatch.setattr(va.SWITCH, "warned", set())
   q, k, v, ragged = random_case(2, 3, 4, 2, 16, 24, jnp.float32, tree=False, seed=5)
   mask = va.dense_visibility(ragged, 24)
   with caplog.at_level(logging.WARNING, logger=va.__name__):
@@ -265,7 +265,7 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
   jitted while_loop, as in the engine), records success, and the traced call uses the kernel."""
   impl("auto")
   monkeypatch.setattr(va, "_on_gpu", lambda: True)
-  monkeypatch.setattr(va, "_probed", {})
+  monkeypatch.setattr(va.SWITCH, "probed", {})
   calls = []
 
   def interpreted(*args, **kw):   # this CPU runs Pallas only in interpret mode
@@ -282,7 +282,7 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
     return jax.lax.fori_loop(0, 2, body, jnp.zeros(q.shape, jnp.float32))
 
   out = jax.jit(loop)(q, k, v, mask, ragged)
-  assert list(va._probed.values()) == [True]
+  assert list(va.SWITCH.probed.values()) == [True]
   assert len(calls) == 2                                   # the probe's call and the traced call
   np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(va.attend_reference(q, k, v, mask, 0.25)),
                              atol=1e-5, rtol=1e-5)

@@ -25,7 +25,6 @@ and the reference is used.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -38,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from specjax.kernels import dispatch
 
 NEG_INF = -1e30
 IMPL_ENV = "SPECJAX_VERIFY_ATTENTION"            # auto (default) | pallas | xla
@@ -108,13 +109,6 @@ def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _sm_count() -> int:
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except Exception:   # noqa: BLE001 - no device info: H100's count
-    return 132
-
-
 MAX_SPLITS = 256                                 # bounds the partials the merge reads back
 
 
@@ -147,7 +141,7 @@ def tiling_for(batch: int, t: int, n_heads: int, n_kv: int, head_dim: int, capac
   block_m = min(rows, 128, 16384 // head_dim)          # accumulator [block_m, D] f32 in registers
   n_rb = rows // block_m
   max_block_k = 64 if block_m * head_dim >= 8192 else 128   # big accumulators: smaller K/V tiles
-  block_k, n_splits = split_plan(batch, n_kv, n_rb, capacity, sm_count or _sm_count(), max_block_k)
+  block_k, n_splits = split_plan(batch, n_kv, n_rb, capacity, sm_count or dispatch.sm_count(), max_block_k)
   return Tiling(rows=rows, block_m=block_m, block_k=block_k, block_t=max(16, _pow2(t)),
                 n_splits=n_splits, num_warps=8 if block_m * head_dim >= 16384 else 4)
 
@@ -273,35 +267,14 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
 # dispatch
 
 
-_forced_impl: str | None = None
-_probed: dict = {}
-_warned: set = set()
+SWITCH = dispatch.KernelSwitch("verify_attention", IMPL_ENV)
+set_impl = SWITCH.set_impl
+current_impl = SWITCH.current_impl
 
 
-def set_impl(impl: str | None) -> None:
-  """Force "pallas" or "xla" (or "auto"; None: back to the environment). Takes effect at the
-  next trace: jitted callers already compiled keep their choice (`jax.clear_caches()`)."""
-  global _forced_impl
-  if impl not in (None, "auto", "pallas", "xla"):
-    raise ValueError(f"unknown attention implementation {impl!r}")
-  _forced_impl = impl
-
-
-def current_impl() -> str:
-  impl = _forced_impl or os.environ.get(IMPL_ENV, "auto")
-  if impl not in ("auto", "pallas", "xla"):
-    raise ValueError(f"{IMPL_ENV}={impl!r}: expected auto, pallas or xla")
-  return impl
-
-
-def _warn_once(key, msg: str) -> None:
-  if key not in _warned:
-    _warned.add(key)
-    log.warning(msg)
-
-
-def _probe(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> float:
-  """Max |kernel - reference| on random inputs of these shapes (compiles both)."""
+def _probe(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> tuple[bool, str]:
+  """Kernel vs reference on random inputs of these shapes (compiles both): max |difference|
+  within the dtype's tolerance (a wrong mask errs by O(0.1..1))."""
   rng = np.random.default_rng(0)
   normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
   q, k, v = normal((b, t, h, d)), normal((b, s_cap, kvh, d)), normal((b, s_cap, kvh, d))
@@ -310,33 +283,19 @@ def _probe(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> float:
   scale = d ** -0.5
   got = jax.jit(functools.partial(pallas_verify_attention, scale=scale, tiling=tiling))(q, k, v, ragged)
   want = jax.jit(lambda q, k, v, r: attend_reference(q, k, v, dense_visibility(r, s_cap), scale))(q, k, v, ragged)
-  return float(jnp.max(jnp.abs(got - want)))
+  err = float(jnp.max(jnp.abs(got - want)))
+  tol = 3e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-2
+  return err <= tol, f"max abs difference {err:.3g}"
 
 
 def _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> bool:
-  """Compile the kernel for these shapes and compare it with the reference on random inputs,
-  once per shape. False, with a warning logged once, if either fails. Runs in a worker thread:
-  JAX's trace state is per thread, so the probe executes even while a caller is being traced."""
+  """Compile the kernel for these shapes and compare it with the reference, once per shape."""
   key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)
-  if key not in _probed:
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      try:
-        err = pool.submit(_probe, b, t, h, kvh, d, s_cap, dtype, tiling).result()
-      except Exception as e:  # noqa: BLE001 - any lowering / compile failure means: use the reference
-        _probed[key] = False
-        _warn_once(key, f"verify_attention kernel failed to compile for {key} ({type(e).__name__}: {e}); "
-                        "using the XLA reference")
-        return False
-    tol = 3e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-2   # a wrong mask errs by O(0.1..1)
-    _probed[key] = bool(err <= tol)
-    if not _probed[key]:
-      _warn_once(key, f"verify_attention kernel differs from the XLA reference by {err:.3g} at {key}; "
-                      "using the reference")
-  return _probed[key]
+  return SWITCH.kernel_works(key, functools.partial(_probe, b, t, h, kvh, d, s_cap, dtype, tiling), log)
 
 
 def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
+  return dispatch.on_gpu()
 
 
 def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Tiling | None]:
