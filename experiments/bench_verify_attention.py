@@ -14,7 +14,13 @@
    1 and 8, cache capacity `--capacity`: tokens/s with the XLA reference and with the kernel
    (`auto`: what a user gets), in one process; outputs compared token for token.
 
-Writes verify_attention_<card>.json and .png into --out (partial JSON after every section; each
+Options for issue 10's second pass (experiments/gpu_kernels2.sh): `--previous-splits` also times the
+kernel under the split rule before the batch-1 change; `--e2e-settings off on attention` compares
+every kernel off, every kernel on (verification attention + accept/resample, `auto`) and the
+attention kernel alone (default `xla auto`: the attention kernel only, as in item 2's runs);
+`--skip-micro`; `--tag` names the files.
+
+Writes verify_attention[_<tag>]_<card>.json and .png into --out (partial JSON after every section; each
 section stops starting new work past its time budget).
 """
 
@@ -40,8 +46,28 @@ from specjax.kernels import verify_attention as va  # noqa: E402
 MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}   # (q heads, kv heads, head_dim)
 
 
+# end-to-end settings: implementation of each kernel (None: leave the kernel's own setting)
+SETTINGS = {
+    "xla": {"verify_attention": "xla", "accept_sample": None},       # attention only (item 2's runs)
+    "auto": {"verify_attention": "auto", "accept_sample": None},
+    "off": {"verify_attention": "xla", "accept_sample": "xla"},      # every kernel off
+    "on": {"verify_attention": "auto", "accept_sample": "auto"},     # every kernel as a user gets it
+    "attention": {"verify_attention": "auto", "accept_sample": "xla"},
+}
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def previous_tiling(b, t, h, kvh, d, cap) -> va.Tiling:
+  """The split rule before the batch-1 change (at most 64 splits, blocks of 128 / 64 by the
+  accumulator only), for comparison."""
+  tl = va.tiling_for(b, t, h, kvh, d, cap)
+  block_k = 64 if tl.block_m * d >= 8192 else 128
+  per_split = b * kvh * (tl.rows // tl.block_m)
+  n_splits = max(1, min(64, -(-2 * va.dispatch.sm_count() // per_split), -(-cap // block_k)))
+  return dataclasses.replace(tl, block_k=block_k, n_splits=n_splits)
 
 
 def looped(attn, iters: int):
@@ -96,6 +122,12 @@ def micro(args, budget_s: float) -> list[dict]:
         want, got = ref(q, k, v, mask, ragged)[0], ker(q, k, v, mask, ragged)[0]
         row["max_abs_err"] = float(jnp.max(jnp.abs(got - want)))
         row["tiling"] = dataclasses.asdict(tiling)
+        old = previous_tiling(batch, t, h, kvh, d, cap)
+        if args.previous_splits and old != tiling:
+          ker_old = looped(lambda q, k, v, m, r: va.pallas_verify_attention(q, k, v, r, scale, tiling=old,
+                                                                            interpret=interpret), args.iters)
+          row["pallas_previous_splits_ms"] = time_call(ker_old, (q, k, v, mask, ragged), args.repeats, args.iters)
+          row["previous_tiling"] = dataclasses.asdict(old)
       except Exception as e:  # noqa: BLE001 - record and go on: one failing shape must not lose the rest
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
       rows.append(row)
@@ -119,7 +151,8 @@ def end_to_end(args, budget_s: float) -> dict:
   dp = DraftParams(n_max=args.n_max)
   drafter = make_speculator("ngram_simple", target, draft_params=dp)
   stop = tuple(tok.eos_ids)
-  kernel_impl = "auto" if on_gpu() else "pallas"     # CPU smoke: force the (interpreted) kernel path
+  from specjax.kernels import accept_sample as asl
+  switches = {"verify_attention": va.SWITCH, "accept_sample": asl.SWITCH}
 
   def generate(batch_prompts, max_new):
     sampling = SamplingParams.make(len(batch_prompts), temperature=0.0)
@@ -127,11 +160,17 @@ def end_to_end(args, budget_s: float) -> dict:
                                 sampling=sampling, draft_params=dp, stop_ids=stop, capacity=args.capacity)
 
   runs, outputs = [], {}
-  for batch in args.e2e_batch:                       # pairs first: both implementations per batch size
-    for impl in ("xla", kernel_impl):
-      va.set_impl(impl)
+  base_name = args.e2e_settings[0]
+  for batch in args.e2e_batch:                       # all settings per batch size, in the given order
+    for impl in args.e2e_settings:
+      kernels = {}
+      for name, choice in SETTINGS[impl].items():
+        if choice == "auto" and not on_gpu():
+          choice = "pallas"                           # CPU smoke: force the (interpreted) kernel path
+        switches[name].set_impl(choice)
+        kernels[name] = choice or switches[name].current_impl()
       jax.clear_caches()                              # the choice is made at trace time: retrace
-      row = {"impl": impl, "batch": batch, "questions": len(prompts), "n_max": args.n_max,
+      row = {"impl": impl, "kernels": kernels, "batch": batch, "questions": len(prompts), "n_max": args.n_max,
              "capacity": args.capacity, "max_new_tokens": args.max_new}
       if time.perf_counter() - t_start > budget_s:
         runs.append({**row, "skipped": "time budget"})
@@ -152,15 +191,18 @@ def end_to_end(args, budget_s: float) -> dict:
       outputs[(impl, batch)] = toks
       runs.append(row)
       print(row, flush=True)
-  va.set_impl(None)
+  for sw in switches.values():
+    sw.set_impl(None)
   for row in runs:
-    if row["impl"] != "xla" and ("xla", row["batch"]) in outputs and (row["impl"], row["batch"]) in outputs:
-      a, b = outputs[("xla", row["batch"])], outputs[(row["impl"], row["batch"])]
-      row["equal_to_xla"] = sum(x == y for x, y in zip(a, b)) / len(a)
-      base = next(r for r in runs if r["impl"] == "xla" and r["batch"] == row["batch"])
-      row["speedup_vs_xla"] = row["tokens_per_s"] / base["tokens_per_s"]
-  probes = [{"shape": list(key[:6]), "dtype": key[6], "kernel_ok": ok} for key, ok in va.SWITCH.probed.items()]
-  return {"model": args.model, "speculator": "ngram_simple (device)", "runs": runs, "kernel_probes": probes}
+    if row["impl"] != base_name and (base_name, row["batch"]) in outputs and (row["impl"], row["batch"]) in outputs:
+      a, b = outputs[(base_name, row["batch"])], outputs[(row["impl"], row["batch"])]
+      row[f"equal_to_{base_name}"] = sum(x == y for x, y in zip(a, b)) / len(a)
+      base = next(r for r in runs if r["impl"] == base_name and r["batch"] == row["batch"])
+      row[f"speedup_vs_{base_name}"] = row["tokens_per_s"] / base["tokens_per_s"]
+  probes = [{"kernel": name, "key": [str(x) for x in key], "kernel_ok": ok}
+            for name, sw in switches.items() for key, ok in sw.probed.items()]
+  return {"model": args.model, "speculator": "ngram_simple (device)", "settings": {n: SETTINGS[n] for n in args.e2e_settings},
+          "runs": runs, "kernel_probes": probes}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -172,8 +214,12 @@ def plot(result: dict, path: Path) -> None:
   fig, axes = plt.subplots(1, len(MODELS) + 1, figsize=(6 * (len(MODELS) + 1), 4.5))
   for ax, model in zip(axes, MODELS):
     rows = [r for r in micro_rows if r["model"] == model]
+    prev = [r for r in rows if "pallas_previous_splits_ms" in r]
+    if prev:   # batch-1 runs: the previous split rule beside the new one
+      rows = rows + [{**r, "batch": f"{r['batch']} (previous splits)",
+                      "speedup": r["xla_ms"] / r["pallas_previous_splits_ms"]} for r in prev]
     labels = sorted({(r["context"], r["k"]) for r in rows})
-    batches = sorted({r["batch"] for r in rows})
+    batches = sorted({r["batch"] for r in rows}, key=str)
     width = 0.8 / max(1, len(batches))
     for i, b in enumerate(batches):
       vals = [next((r["speedup"] for r in rows if r["batch"] == b and (r["context"], r["k"]) == lab), 0.0)
@@ -190,7 +236,8 @@ def plot(result: dict, path: Path) -> None:
   ax = axes[-1]
   if e2e:
     labels = [f"{r['impl']}\nbatch {r['batch']}" for r in e2e]
-    ax.bar(range(len(e2e)), [r["tokens_per_s"] for r in e2e], color=["C0" if r["impl"] == "xla" else "C1" for r in e2e])
+    names = list(dict.fromkeys(r["impl"] for r in e2e))
+    ax.bar(range(len(e2e)), [r["tokens_per_s"] for r in e2e], color=[f"C{names.index(r['impl'])}" for r in e2e])
     ax.set_xticks(range(len(e2e)))
     ax.set_xticklabels(labels, fontsize=8)
   ax.set_ylabel("tokens/s")
@@ -218,13 +265,19 @@ def main(argv=None):
   ap.add_argument("--capacity", type=int, default=4096 if not smoke else 256)
   ap.add_argument("--max-new", type=int, default=256 if not smoke else 8)
   ap.add_argument("--e2e-budget-s", type=float, default=200)
+  ap.add_argument("--e2e-settings", nargs="+", default=["xla", "auto"], choices=list(SETTINGS),
+                  help="kernel settings to compare end to end (the first is the baseline): " +
+                       "; ".join(f"{n}: {v}" for n, v in SETTINGS.items()))
   ap.add_argument("--skip-e2e", action="store_true")
+  ap.add_argument("--skip-micro", action="store_true")
+  ap.add_argument("--previous-splits", action="store_true", help="also time the split rule before the batch-1 change")
+  ap.add_argument("--tag", default="", help="file name part: verify_attention_<tag>_<card>.json")
   args = ap.parse_args(argv)
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   dev = device_info()
   card = dev["device_kind"].lower().replace("nvidia ", "").replace(" ", "_")
-  path = out_dir / f"verify_attention_{card}.json"
+  path = out_dir / f"verify_attention_{args.tag + '_' if args.tag else ''}{card}.json"
   result = {"experiment": "verify_attention", "config": vars(args), "smoke": smoke, "git_revision": git_revision(),
             "device": dev}
 
@@ -232,7 +285,7 @@ def main(argv=None):
     path.write_text(json.dumps(result, indent=1))
     plot(result, path.with_suffix(".png"))
 
-  result["micro"] = micro(args, args.micro_budget_s)
+  result["micro"] = [] if args.skip_micro else micro(args, args.micro_budget_s)
   save()
   if not args.skip_e2e:
     result["end_to_end"] = end_to_end(args, args.e2e_budget_s)
@@ -241,6 +294,11 @@ def main(argv=None):
   if ok:
     print(f"context >= 4k, K > 0: kernel speedup min {min(r['speedup'] for r in ok):.2f}x, "
           f"median {statistics.median(r['speedup'] for r in ok):.2f}x over {len(ok)} shapes")
+  prev = [r for r in result["micro"] if "pallas_previous_splits_ms" in r]
+  if prev:
+    print("new split rule / previous: " + ", ".join(
+        f"b{r['batch']} {r['context']} K{r['k']} {r['model']}: {r['pallas_previous_splits_ms'] / r['pallas_ms']:.2f}x"
+        for r in prev))
   print("wrote", path)
 
 
