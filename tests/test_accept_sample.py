@@ -175,6 +175,9 @@ def test_dispatch(impl, monkeypatch):
   impl(None)
   monkeypatch.delenv(asl.IMPL_ENV, raising=False)
   assert asl.choose((2, 5, 100), jnp.float32, True)[0] == "xla"                  # auto on the CPU
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  assert asl.choose((2, 5, 100), jnp.float32, True)[0] == "xla"                  # auto on a GPU: opt-in kernel
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
   monkeypatch.setenv(asl.IMPL_ENV, "pallas")
   name, tl = asl.choose((2, 5, 100), jnp.float32, True)
   assert name == "pallas" and tl == asl.tiling_for(2, 4, 100)
@@ -201,6 +204,7 @@ def test_kernel_that_fails_to_compile_falls_back_once(impl, monkeypatch, caplog)
   """Under auto on a 'GPU' whose compiler rejects the kernel (the CPU backend runs Pallas only in
   interpret mode), the reference is used and one warning is logged."""
   impl("auto")
+  monkeypatch.setattr(asl, "AUTO_USES_KERNEL", True)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(asl.SWITCH, "probed", {})
   monkeypatch.setattr(asl.SWITCH, "warned", set())
@@ -218,6 +222,7 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
   """Under auto on a GPU the first trace of a shape checks the kernel eagerly (inside a jitted
   fori_loop here, as in the engine's loop), records success, and the traced call uses the kernel."""
   impl("auto")
+  monkeypatch.setattr(asl, "AUTO_USES_KERNEL", True)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(asl.SWITCH, "probed", {})
   calls = []
