@@ -134,13 +134,29 @@ def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> Adapti
 _COSTS: dict = {}
 
 
+def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) -> tuple:
+  dtype = jax.tree_util.tree_leaves(params)[0].dtype
+  return (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
+
+
+def remember_costs(key: tuple, costs) -> np.ndarray:
+  """Replace the cached costs of a shape by better ones (the device loop's warm-up times whole
+  rounds: `engine._measure_round_costs`)."""
+  out = np.maximum.accumulate(np.maximum(np.asarray(costs, np.float32), 1e-3))
+  _COSTS[key] = out
+  return out
+
+
 def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *, context: int = 0,
               repeats: int = 5) -> np.ndarray:
   """[len(widths)] median ms of one target forward of w + 1 tokens per sequence at this batch and
-  cache capacity (cache filled to `context`). Cached per shape, so a benchmark's warm-up pays it."""
+  cache capacity (cache filled to `context`). Cached per shape, so a benchmark's warm-up pays it.
+  A first estimate: it leaves out the sampling / acceptance over [B, w+1, V] and the drafting, and
+  on an H200 at batch 64 it grew too little with w (the controller chose wide widths that cost as
+  much as fixed n_max 8); the device loop's warm-up replaces it by timed whole rounds."""
   from specjax.generation import target_of
+  key = cost_key(params, cfg, batch, capacity, widths)
   dtype = jax.tree_util.tree_leaves(params)[0].dtype
-  key = (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
   if key in _COSTS:
     return _COSTS[key]
   target = target_of(cfg)

@@ -181,24 +181,55 @@ def _adaptive_segment(params, dparams, state, dstate, stats, ast, sampling, dp, 
   return state, dstate, stats, ast, jnp.all(state.done)
 
 
+def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, *, cfg, drafter, rollback,
+                         ac, widths) -> np.ndarray | None:
+  """[len(widths)] ms per round of whole segments at each width (drafting, the [B, w+1] verify
+  forward, acceptance, commit), timed on copies of the live state with the budget lifted so no
+  sequence stops early; None when the cache has no room for a few rounds. Compiles every width."""
+  copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
+  k, b = drafter.max_draft, state.last.shape[0]
+  room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
+             int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
+  rounds = min(ac.segment_rounds, max(room, 0) // (k + 1))
+  budget = jnp.full((b,), rounds * (k + 1) + 1, jnp.int32)
+  costs = []
+  for w in widths:
+    seg = functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w,
+                            reach_min=ac.reach_min, decay=ac.decay)
+    args = lambda: (params, dparams, copy(state), copy(dstate), stats, ast, sampling, dp, stop, budget)
+    jax.block_until_ready(seg(*args(), jnp.int32(0)))                 # compile
+    if rounds < 2:
+      continue
+    ms = []
+    for _ in range(2):
+      a = args()
+      jax.block_until_ready(a)
+      t0 = time.perf_counter()
+      out = seg(*a, jnp.int32(rounds))
+      ran = int(jnp.max(out[2].rounds))
+      ms.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
+    costs.append(min(ms))
+  return np.asarray(costs, np.float32) if rounds >= 2 else None
+
+
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
-                   warm=False):
+                   warm=False, cost_key=None):
   """Segments of `ac.segment_rounds` rounds, each at the width the host picks from the running
-  estimates. `warm`: first compile the segment of every width (zero rounds, on copies of the
-  state), so that a later timed run with the same shapes never compiles; a benchmark's warm-up
-  passes it (without it, the widths a short warm-up never chose compiled inside the timed run:
-  0.035x of plain decoding at batch 64 on an H200)."""
+  estimates. `warm` (a benchmark's untimed warm-up passes it): compile the segment of every width
+  and time whole rounds at each (`_measure_round_costs`), which replace the forward-only
+  calibration for this shape (`cost_key`), so a later timed run neither compiles nor picks widths
+  from costs that leave out sampling and drafting. (Without it, on an H200 at batch 64, widths a
+  short warm-up never chose compiled inside the timed run: 0.035x of plain decoding.)"""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
   stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, ac)
   if warm:
-    for w in widths:
-      copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
-      jax.block_until_ready(_adaptive_segment(
-          params, dparams, copy(state), copy(dstate), stats, ast, sampling, dp, stop, max_new, jnp.int32(0), cfg=cfg,
-          drafter=drafter, rollback=rollback, width=w, reach_min=ac.reach_min, decay=ac.decay))
+    measured = _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, cfg=cfg,
+                                    drafter=drafter, rollback=rollback, ac=ac, widths=widths)
+    if measured is not None and ac.costs is None and cost_key is not None:
+      costs = adapt.remember_costs(cost_key, measured)
   n_max = np.asarray(dp["n_max"])
   plain_segments = 0
   while True:
@@ -272,7 +303,8 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     if adaptive:
       state, dstate, stats = _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
                                             drafter=drafter, rollback=rollback, ac=adaptive, costs=costs,
-                                            warm=warm_widths)
+                                            warm=warm_widths, cost_key=adapt.cost_key(params, cfg, b, cap,
+                                                                                      adaptive.widths_for(k)))
     else:
       state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
                                         drafter=drafter, rollback=rollback)

@@ -125,3 +125,21 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert _adaptive_segment._cache_size() == compiled
   assert res.tokens == plain
+
+
+def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
+  """The device loop's warm-up times whole rounds at every width and caches them for this shape
+  (one positive, non-decreasing ms per round per width), so the timed run's controller uses
+  them; generation stays lossless."""
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), segment_rounds=3)
+  drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
+  key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K))
+  adapt._COSTS.pop(key, None)
+  speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
+  measured = adapt._COSTS[key]
+  assert measured.shape == (4,) and np.all(measured > 0) and np.all(np.diff(measured) >= 0)
+  assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
+  res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
+  assert res.tokens == plain
