@@ -1,7 +1,15 @@
-# Adaptive drafting vs fixed draft lengths at batch 64/32/1 (issue 11), ~9 minutes on an H200.
+# Adaptive drafting vs fixed draft lengths at batch 64/32/1 (issue 11), ~9.5 minutes on an H200.
+# Every bench method compiles for ~20-25 s on an H200, and the adaptive method's warm-up compiles
+# and times every width (engine._measure_round_costs), so each batch size needs ~3 minutes.
+# Results are packed into one tar after each bench (a call returns at most 8 files), so a call cut
+# short still returns what finished.
 source experiments/gpu/env.sh
+mkdir -p $OUT/r
 for b in 64 32 1; do
-  timeout 200 python3 -m specjax.cli bench --config configs/adaptive_smollm2_b$b.yaml --out $OUT $([ $b = 1 ] && echo "--limit 16") 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|prompt/s" | tail -9
+  timeout $([ $b = 1 ] && echo 150 || echo 190) python3 -m specjax.cli bench --config configs/adaptive_smollm2_b$b.yaml \
+    --out $OUT/r $([ $b = 1 ] && echo "--limit 8") 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|prompt/s" | tail -8
+  tar -C $OUT -cf $OUT/adaptive_results.tar r
 done
-python3 experiments/adaptive_summary.py $OUT/adaptive_smollm2_b*.json --out $OUT/adaptive_smollm2_summary.json | tail -5 || true
+python3 experiments/adaptive_summary.py $OUT/r/adaptive_smollm2_b*.json --out $OUT/r/adaptive_smollm2_summary.json | tail -5 || true
+tar -C $OUT -cf $OUT/adaptive_results.tar r && rm -rf $OUT/r
 ls -la $OUT
