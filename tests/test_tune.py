@@ -72,6 +72,10 @@ def test_committed_config_loads():
     ({"tune": {"budget": {"trials": None, "seconds": 5.0}, "strategy": "halving"}}, "halving"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"tune": {"arm_weights": {"suffix": 1}}}, "arm_weights"),
+    ({"tune": {"speculators": {"eagle3": {"draft_params": {"n_max": [2]}}}}}, "eagle3: needs head"),
+    ({"tune": {"speculators": {"ngram_simple": {"head": ["h.safetensors"]}}}}, "head"),
+    ({"tune": {"speculators": {"eagle3_tree": {"head": ["h"], "adaptive": [True]}}}}, "adaptive"),
+    ({"tune": {"speculators": {"ngram_simple": {"adaptive": ["yes"]}}}}, "adaptive"),
 ])
 def test_config_errors_name_the_key(patch, key):
   data = {"name": "x", "tune": {}}
@@ -110,6 +114,17 @@ def test_candidates_are_seeded_distinct_and_capped():
   small = dataclasses.replace(t, speculators={"ngram_cache": {"n_draft": 4}}, chains=tune.ChainSpace(),
                               draft_params={"n_max": [2, 4], "n_min": [0]})
   assert len(tune.sample_candidates(small, 10)) == 2
+
+
+def test_adaptive_drafting_is_a_searched_dimension():
+  """`adaptive: [false, true]` in a speculator's space draws methods with adaptive drafting on and
+  off (a MethodConfig the bench runs as such); without it every method is fixed."""
+  t = tiny_config(seed=5, speculators={"ngram_simple": {"size_n": [1, 2], "adaptive": [False, True]}},
+                  chains={"members": []}).tune
+  drawn = tune.sample_candidates(t, 8)
+  assert {m.adaptive for m in drawn} == {False, True}
+  assert all(tune.method_label(m).endswith(" adaptive") == m.adaptive for m in drawn)
+  assert not any(m.adaptive for m in tune.sample_candidates(tiny_config(seed=5).tune, 8))
 
 
 def test_split_is_stratified_disjoint_and_seeded():

@@ -17,6 +17,8 @@ from specjax.drafters.registry import ALL, HOST_SPECULATORS
 METRICS = ("tokens_per_s", "mean_tokens_per_s", "speedup")
 STRATEGIES = ("random", "halving")
 DEFAULT_METHOD = MethodConfig(name="default", speculator="ngram_simple")
+HEAD_SPECULATORS = ("mtp", "eagle3", "eagle3_tree", "dflash")   # need `head` choices (trained head files)
+TREE_SPECULATORS = ("eagle3_tree", "draft_tree")                 # set their own budget: no adaptive lengths
 
 
 class TuneError(RuntimeError):
@@ -142,17 +144,24 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
     for opt, vals in space.items():
       if opt == "draft_params":
         _check_draft_params_space(vals, f"{sub}.draft_params")
-      elif opt in ("draft_model", "head"):
-        if name != ("draft" if opt == "draft_model" else "mtp"):
-          raise ConfigError(f"{sub}.{opt}: only for speculator {'draft' if opt == 'draft_model' else 'mtp'}")
+      elif opt == "draft_model":
+        if name != "draft":
+          raise ConfigError(f"{sub}.draft_model: only for speculator 'draft'")
+      elif opt == "head":
+        if name not in HEAD_SPECULATORS:
+          raise ConfigError(f"{sub}.head: only for speculators {list(HEAD_SPECULATORS)}")
+      elif opt == "adaptive":
+        if name in TREE_SPECULATORS or any(not isinstance(v, bool) for v in _choices(vals)):
+          raise ConfigError(f"{sub}.adaptive: true / false choices, for chain (non-tree) speculators")
       elif allowed is not None and opt not in allowed:
         raise ConfigError(f"{sub}: unknown option {opt!r}; allowed: {sorted(allowed)} and draft_params")
       if opt != "draft_params" and not _choices(vals):
         raise ConfigError(f"{sub}.{opt}: needs at least one choice")
   if "draft" in t.speculators and not (t.speculators["draft"] or {}).get("draft_model"):
     raise ConfigError(f"{where}.speculators.draft: needs draft_model choices")
-  if "mtp" in t.speculators and not (t.speculators["mtp"] or {}).get("head"):
-    raise ConfigError(f"{where}.speculators.mtp: needs head choices")
+  for name in HEAD_SPECULATORS:
+    if name in t.speculators and not (t.speculators[name] or {}).get("head"):
+      raise ConfigError(f"{where}.speculators.{name}: needs head choices")
   arms = set(t.speculators) | ({"chain"} if t.chains.members else set())
   for a, w in t.arm_weights.items():
     if a not in arms:

@@ -12,7 +12,7 @@ from specjax.bench.config import DraftParamsConfig, MethodConfig, to_dict
 from specjax.drafters.registry import MODEL_SPECULATORS
 from specjax.tune.config import TuneSettings, _choices, _plain
 
-SPACE_KEYS = ("draft_params", "draft_model", "head")    # keys of a speculator's space that are not options
+SPACE_KEYS = ("draft_params", "draft_model", "head", "adaptive")   # keys of a speculator's space that are not options
 
 
 def method_label(m: MethodConfig) -> str:
@@ -33,6 +33,8 @@ def method_label(m: MethodConfig) -> str:
     s += f" p_min={dp.p_min:g}"
   if m.draft_model:
     s += f" draft={m.draft_model}"
+  if m.adaptive:
+    s += " adaptive"
   return s
 
 
@@ -105,6 +107,7 @@ class Space:
       method = MethodConfig(name=name, speculator=arm, options=opts,
                             draft_model=self._pick(extra["draft_model"]) if "draft_model" in extra else None,
                             head=self._pick(extra["head"]) if "head" in extra else None,
+                            adaptive=bool(self._pick(extra["adaptive"])) if "adaptive" in extra else False,
                             draft_params=self._draft_params(extra.get("draft_params", {}), model=model))
     return self._capped(method)
 
