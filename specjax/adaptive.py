@@ -139,11 +139,15 @@ def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) ->
   return (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
 
 
+_MEASURED: set = set()    # shapes whose cached costs are timed whole rounds, not the forward-only calibration
+
+
 def remember_costs(key: tuple, costs) -> np.ndarray:
-  """Replace the cached costs of a shape by better ones (the device loop's warm-up times whole
-  rounds: `engine._measure_round_costs`)."""
+  """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
+  per shape: `engine._measure_round_costs`)."""
   out = np.maximum.accumulate(np.maximum(np.asarray(costs, np.float32), 1e-3))
   _COSTS[key] = out
+  _MEASURED.add(key)
   return out
 
 

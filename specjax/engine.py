@@ -215,20 +215,21 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
                    warm=False, cost_key=None):
   """Segments of `ac.segment_rounds` rounds, each at the width the host picks from the running
-  estimates. `warm` (a benchmark's untimed warm-up passes it): compile the segment of every width
-  and time whole rounds at each (`_measure_round_costs`), which replace the forward-only
-  calibration for this shape (`cost_key`), so a later timed run neither compiles nor picks widths
-  from costs that leave out sampling and drafting. (Without it, on an H200 at batch 64, widths a
+  estimates. Once per shape (`cost_key`) it compiles the segment of every width and times whole
+  rounds at each (`_measure_round_costs`), which replace the forward-only calibration, so the
+  controller does not pick widths from costs that leave out sampling and drafting; `warm` (a
+  benchmark's untimed warm-up passes it) does so too, so a later timed run never compiles. (Without it, on an H200 at batch 64, widths a
   short warm-up never chose compiled inside the timed run: 0.035x of plain decoding.)"""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
   stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, ac)
-  if warm:
+  measure = ac.costs is None and cost_key is not None and cost_key not in adapt._MEASURED
+  if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
     measured = _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, cfg=cfg,
                                     drafter=drafter, rollback=rollback, ac=ac, widths=widths)
-    if measured is not None and ac.costs is None and cost_key is not None:
+    if measured is not None and measure:
       costs = adapt.remember_costs(cost_key, measured)
   n_max = np.asarray(dp["n_max"])
   plain_segments = 0

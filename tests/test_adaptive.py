@@ -137,6 +137,7 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
   key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K))
   adapt._COSTS.pop(key, None)
+  adapt._MEASURED.discard(key)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
   assert measured.shape == (4,) and np.all(measured > 0) and np.all(np.diff(measured) >= 0)
