@@ -102,6 +102,9 @@ def main(argv=None) -> int:
     add_train_commands(sub)
 
   args = ap.parse_args(argv)
+  if args.cmd != "fetch":
+    from specjax import compile_cache
+    compile_cache.enable()      # compiled programs kept on disk: a rerun skips compilation
   try:
     return args.func(args)
   except (ValueError, FileNotFoundError, KeyError, NotImplementedError) as e:
