@@ -33,12 +33,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.bench.timing import time_call  # noqa: E402
 from specjax.kernels import accept_sample as asl  # noqa: E402
+from specjax.kernels.dispatch import on_gpu  # noqa: E402
 from specjax.verify import accept_drafts  # noqa: E402
-
-
-def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
 
 
 def inputs(b: int, k: int, v: int, dtype, has_q: bool, seed: int = 0):
@@ -64,16 +62,6 @@ def looped(step, iters: int):
       return jnp.where((tok + n_acc < 0)[:, None], d + 1, d)                   # same drafts, but a data dependence
     return first, jax.lax.fori_loop(0, iters, body, draft)
   return jax.jit(run)
-
-
-def time_call(fn, args, repeats: int, iters: int) -> float:
-  jax.block_until_ready(fn(*args))                                              # compile + warm
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) / iters * 1e3
 
 
 def bench(args, budget_s: float, result: dict, save) -> None:

@@ -41,7 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.bench.timing import time_call  # noqa: E402
 from specjax.kernels import verify_attention as va  # noqa: E402
+from specjax.kernels.dispatch import on_gpu  # noqa: E402
 
 MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}   # (q heads, kv heads, head_dim)
 
@@ -51,13 +53,9 @@ SETTINGS = {
     "xla": {"verify_attention": "xla", "accept_sample": None},       # attention only (item 2's runs)
     "auto": {"verify_attention": "auto", "accept_sample": None},
     "off": {"verify_attention": "xla", "accept_sample": "xla"},      # every kernel off
-    "on": {"verify_attention": "auto", "accept_sample": "auto"},     # every kernel as a user gets it
-    "attention": {"verify_attention": "auto", "accept_sample": "xla"},
+    "on": {"verify_attention": "auto", "accept_sample": "pallas"},   # every kernel on (accept_sample is opt-in)
+    "attention": {"verify_attention": "auto", "accept_sample": "xla"},  # as a user gets it under auto
 }
-
-
-def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
 
 
 def previous_tiling(b, t, h, kvh, d, cap) -> va.Tiling:
@@ -77,16 +75,6 @@ def looped(attn, iters: int):
     body = lambda i, x: (x.astype(jnp.float32) + 1e-3 * attn(x, k, v, mask, ragged)).astype(x.dtype)
     return first, jax.lax.fori_loop(0, iters, body, q)
   return jax.jit(run)
-
-
-def time_call(fn, args, repeats: int, iters: int) -> float:
-  jax.block_until_ready(fn(*args))                                              # compile + warm
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) / iters * 1e3
 
 
 def micro(args, budget_s: float) -> list[dict]:
