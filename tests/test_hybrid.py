@@ -300,6 +300,17 @@ def test_greedy_speculation_is_lossless(pair, noisy_drafter, plain3, rollback, d
   _assert_lossless(params, cfg, prompts, res.tokens, plain3[:batch])
 
 
+def test_adaptive_drafting_on_the_hybrid_target_is_lossless(pair, noisy_drafter, plain3):
+  """Adaptive drafting (costs timed from whole rounds on the hybrid state, widths chosen per
+  segment, then the recurrent state rolled back per step) keeps greedy output equal to plain."""
+  from specjax.adaptive import AdaptiveConfig
+  _, cfg, params = pair
+  ac = AdaptiveConfig(widths=(0, 2, K), segment_rounds=3)
+  res = speculative_generate(params, cfg, PROMPTS3, noisy_drafter, max_new_tokens=MAX_NEW, adaptive=ac)
+  assert res.stats.gen_tokens > 0, res.stats.format()
+  _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
+
+
 # ----------------------------------------------------------------------------------------------
 # sampled losslessness: the law of the first generated tokens (the engine test, hybrid target)
 
