@@ -190,7 +190,7 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
   k, b = drafter.max_draft, state.last.shape[0]
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
              int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
-  rounds = min(ac.segment_rounds, max(room, 0) // (k + 1))
+  rounds = min(ac.segment_rounds, 8, max(room, 0) // (k + 1))   # 2 x 8 rounds per width: a few ms on a GPU
   budget = jnp.full((b,), rounds * (k + 1) + 1, jnp.int32)
   costs = []
   for w in widths:
