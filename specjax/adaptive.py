@@ -9,8 +9,11 @@ length n its expected tokens per round are
 
     E_i(n) = 1 + rho_i * (alpha_i + alpha_i^2 + ... + alpha_i^n).
 
-A sequence drafts at most n_i* tokens, the longest draft whose last token is still reached with
-probability alpha_i^n >= `reach_min` (its running acceptance sets its length). The verification
+On the host loop a sequence drafts at most n_i* tokens, the longest draft whose last token is still
+reached with probability alpha_i^n >= `reach_min` (its running acceptance sets its length: host
+drafting costs time per token). On the device loop every sequence is verified at the batch's
+width anyway, so drafts fill it (`device_reach_min` = 0: a shorter draft would save nothing); there
+the sequences' running acceptances act through the width choice. The verification
 width w is the same for the whole batch (verification is one [B, w+1] forward), taken from a few
 compiled widths; w = 0 is a plain decode step. The device loop runs in segments of
 `segment_rounds` rounds at one static width (a width per segment chosen on the host from the
@@ -43,7 +46,12 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
   decay: float = 0.8              # weight of the past in the running estimates (per round)
-  reach_min: float = 0.2          # draft while the last token is reached with at least this probability
+  reach_min: float = 0.2          # host loop: draft while the last token is reached with at least this
+                                  # probability (host drafting costs time per token)
+  device_reach_min: float = 0.0   # device loop: the same cap. 0: drafts fill the chosen width. In the
+                                  # batched device loop every sequence is verified at the width w anyway,
+                                  # so a shorter draft saves nothing and only loses the tokens that would
+                                  # have been accepted; the width choice is what follows acceptance.
   prior_alpha: float = 0.5        # starting per-token acceptance (weight `prior_weight` rounds)
   prior_weight: float = 2.0
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
@@ -92,6 +100,8 @@ class AdaptiveState:
 def longest_useful(alpha, n_max, reach_min: float):
   """[B] the longest n <= n_max with alpha^n >= reach_min (0 when even one token is not worth it)."""
   xp = _xp(alpha)
+  if reach_min <= 0:                   # no cap: every sequence drafts up to n_max
+    return xp.broadcast_to(xp.asarray(n_max), alpha.shape).astype(xp.int32)
   logs = xp.minimum(xp.log(xp.maximum(alpha, 1e-6)), -1e-6)
   return xp.clip(xp.floor(np.log(reach_min) / logs), 0, n_max).astype(xp.int32)
 

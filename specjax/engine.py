@@ -195,7 +195,7 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
   costs = []
   for w in widths:
     seg = functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w,
-                            reach_min=ac.reach_min, decay=ac.decay)
+                            reach_min=ac.device_reach_min, decay=ac.decay)
     args = lambda: (params, dparams, copy(state), copy(dstate), stats, ast, sampling, dp, stop, budget)
     jax.block_until_ready(seg(*args(), jnp.int32(0)))                 # compile
     if rounds < 2:
@@ -235,12 +235,12 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   plain_segments = 0
   while True:
     alpha, yld, done = jax.device_get((ast.alpha, ast.yield_, state.done))
-    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.reach_min,
+    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.device_reach_min,
                                      explore=plain_segments >= ac.explore_every)]
     plain_segments = plain_segments + 1 if w == 0 else 0
     state, dstate, stats, ast, all_done = _adaptive_segment(
         params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(ac.segment_rounds),
-        cfg=cfg, drafter=drafter, rollback=rollback, width=w, reach_min=ac.reach_min, decay=ac.decay)
+        cfg=cfg, drafter=drafter, rollback=rollback, width=w, reach_min=ac.device_reach_min, decay=ac.decay)
     if bool(all_done):
       return state, dstate, stats
 

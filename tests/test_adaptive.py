@@ -144,3 +144,21 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
+
+
+def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):
+  """Device loop, flat costs: every round verifies at the widest width and every live sequence
+  drafts all of it, whatever its acceptance (a shorter draft would save no verification work in
+  the batched loop); the host loop's per-sequence cap (reach_min) still shortens low-acceptance
+  drafts. Output stays lossless."""
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=(1.0, 1.0, 1.0), segment_rounds=3)
+  drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.3, seed=5))   # often wrong
+  res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, adaptive=ac)
+  assert res.tokens == plain
+  st = res.stats
+  assert st.acceptance_rate < 0.5, st.format()
+  assert st.gen_tokens == K * st.rounds, st.format()
+  n = np.asarray(adapt.longest_useful(np.asarray([0.2, 0.9]), np.full(2, K), ac.reach_min))
+  assert n[0] < n[1] == K and adapt.longest_useful(np.asarray([0.2]), np.full(1, K), ac.device_reach_min)[0] == K
