@@ -1,8 +1,9 @@
 # Sourced by every experiments/gpu/*.sh stage on the lent GPU machine (no network there).
 # Installs the carried wheels once, gathers the carried weight chunks, installs the SmolLM2 GGUF
-# (sha256-checked) once all chunks are there, whatever their number. Chunks: `split -b 18M -d
-# SmolLM2-135M-Instruct.Q4_1.gguf .weights3/smol.part` here, one per call (the working tree + carried
-# files must stay under 64 MiB; the tracked tree is ~44 MB since trained heads live in assets/).
+# (sha256-checked) once all chunks are there, whatever their number. Chunks: `split -b 47M -d
+# SmolLM2-135M-Instruct.Q4_1.gguf .weights3/smol.part` here, one per call, with assets/ taken out of
+# the index for the GPU calls (experiments/README.md: the working tree + carried files must stay
+# under 64 MiB, and the trained heads under assets/ are ~38 MB).
 set -e
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECJAX_HOME=/root/h SPECJAX_DATA=/root/data
 export SPECJAX_GIT_REV=${SPECJAX_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
