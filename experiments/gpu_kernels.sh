@@ -9,13 +9,6 @@
 #
 # Writes $OUT/verify_attention_<card>.{json,png} (partial JSON after each section) and the log.
 # Wall time: ~3.5 min kernel timings + ~3.5 min end to end (each section has a time budget).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder whose files come back}"
-mkdir -p "$OUT"
-export PYTHONPATH="${PYTHONPATH:-/tmp/site:$PWD}"
-if [ -z "${SPECJAX_HOME:-}" ] && [ -d /root/h ]; then export SPECJAX_HOME=/root/h; fi       # the GPU machine's model cache
-if [ -z "${SPECJAX_DATA:-}" ] && [ -d "$PWD/.data" ]; then export SPECJAX_DATA="$PWD/.data"; fi
-export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
+source "$(dirname "$0")/gpu_kernel_env.sh"
 python -c "import jax; print('jax', jax.__version__, jax.devices())"
 timeout 470 python experiments/bench_verify_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_kernels.log"

@@ -14,14 +14,7 @@
 #    4096, batch 1 and 8: every kernel off, every kernel on (auto), attention kernel only
 #    -> $OUT/verify_attention_e2e_<card>.{json,png}                         (~3.5 min)
 # Log: $OUT/gpu_kernels2.log. Each section has its own time limit, so the whole stays under 8 min.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder whose files come back}"
-mkdir -p "$OUT"
-export PYTHONPATH="${PYTHONPATH:-/tmp/site:$PWD}"
-if [ -z "${SPECJAX_HOME:-}" ] && [ -d /root/h ]; then export SPECJAX_HOME=/root/h; fi       # the GPU machine's model cache
-if [ -z "${SPECJAX_DATA:-}" ] && [ -d "$PWD/.data" ]; then export SPECJAX_DATA="$PWD/.data"; fi
-export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
+source "$(dirname "$0")/gpu_kernel_env.sh"
 LOG="$OUT/gpu_kernels2.log"
 python -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -23,6 +21,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.bench.timing import time_call  # noqa: E402
 from specjax.drafters.ngram_device import ngram_lookup  # noqa: E402
 from specjax.generation import GenState, emit  # noqa: E402
 from specjax.models.config import ModelConfig  # noqa: E402
@@ -40,13 +39,7 @@ SMOL = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_h
 
 
 def timeit(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
+  return time_call(fn, args, repeats, iters=1)
 
 
 def profile(name, cfg, params, batch, ctx, ks, repeats, dtype):

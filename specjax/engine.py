@@ -178,14 +178,15 @@ def _adaptive_segment(params, dparams, state, dstate, stats, ast, sampling, dp, 
                            rollback, width, reach_min, decay)
   state, dstate, stats, ast, _ = jax.lax.while_loop(
       lambda c: ~jnp.all(c[0].done) & (c[4] < rounds), body, (state, dstate, stats, ast, jnp.int32(0)))
-  return state, dstate, stats, ast, jnp.all(state.done)
+  return state, dstate, stats, ast
 
 
 def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, *, cfg, drafter, rollback,
-                         ac, widths) -> np.ndarray | None:
+                         ac, widths, timed=True) -> np.ndarray | None:
   """[len(widths)] ms per round of whole segments at each width (drafting, the [B, w+1] verify
   forward, acceptance, commit), timed on copies of the live state with the budget lifted so no
-  sequence stops early; None when the cache has no room for a few rounds. Compiles every width."""
+  sequence stops early; None when the cache has no room for a few rounds (or `timed` is off:
+  then it only compiles every width)."""
   copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
   k, b = drafter.max_draft, state.last.shape[0]
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
@@ -198,7 +199,7 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
                             reach_min=ac.device_reach_min, decay=ac.decay)
     args = lambda: (params, dparams, copy(state), copy(dstate), stats, ast, sampling, dp, stop, budget)
     jax.block_until_ready(seg(*args(), jnp.int32(0)))                 # compile
-    if rounds < 2:
+    if rounds < 2 or not timed:
       continue
     ms = []
     for _ in range(2):
@@ -209,7 +210,7 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
       ran = int(jnp.max(out[2].rounds))
       ms.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
     costs.append(min(ms))
-  return np.asarray(costs, np.float32) if rounds >= 2 else None
+  return np.asarray(costs, np.float32) if rounds >= 2 and timed else None
 
 
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
@@ -218,8 +219,10 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   estimates. Once per shape (`cost_key`) it compiles the segment of every width and times whole
   rounds at each (`_measure_round_costs`), which replace the forward-only calibration, so the
   controller does not pick widths from costs that leave out sampling and drafting; `warm` (a
-  benchmark's untimed warm-up passes it) does so too, so a later timed run never compiles. (Without it, on an H200 at batch 64, widths a
-  short warm-up never chose compiled inside the timed run: 0.035x of plain decoding.)"""
+  benchmark's untimed warm-up passes it) compiles every width too, so a later timed run never
+  compiles (without it, on an H200 at batch 64, widths a short warm-up never chose compiled inside
+  the timed run: 0.035x of plain decoding). One host round trip per segment: the estimates and the
+  done flags, fetched together."""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   b, k = state.last.shape[0], drafter.max_draft
@@ -228,21 +231,21 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt._MEASURED
   if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
     measured = _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, cfg=cfg,
-                                    drafter=drafter, rollback=rollback, ac=ac, widths=widths)
-    if measured is not None and measure:
+                                    drafter=drafter, rollback=rollback, ac=ac, widths=widths, timed=measure)
+    if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
   n_max = np.asarray(dp["n_max"])
   plain_segments = 0
   while True:
     alpha, yld, done = jax.device_get((ast.alpha, ast.yield_, state.done))
+    if done.all():
+      return state, dstate, stats
     w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.device_reach_min,
                                      explore=plain_segments >= ac.explore_every)]
     plain_segments = plain_segments + 1 if w == 0 else 0
-    state, dstate, stats, ast, all_done = _adaptive_segment(
+    state, dstate, stats, ast = _adaptive_segment(
         params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(ac.segment_rounds),
         cfg=cfg, drafter=drafter, rollback=rollback, width=w, reach_min=ac.device_reach_min, decay=ac.decay)
-    if bool(all_done):
-      return state, dstate, stats
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))

@@ -204,7 +204,7 @@ def test_kernel_that_fails_to_compile_falls_back_once(impl, monkeypatch, caplog)
   """Under auto on a 'GPU' whose compiler rejects the kernel (the CPU backend runs Pallas only in
   interpret mode), the reference is used and one warning is logged."""
   impl("auto")
-  monkeypatch.setattr(asl, "AUTO_USES_KERNEL", True)
+  monkeypatch.setattr(asl.SWITCH, "auto_kernel", True)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(asl.SWITCH, "probed", {})
   monkeypatch.setattr(asl.SWITCH, "warned", set())
@@ -222,7 +222,7 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
   """Under auto on a GPU the first trace of a shape checks the kernel eagerly (inside a jitted
   fori_loop here, as in the engine's loop), records success, and the traced call uses the kernel."""
   impl("auto")
-  monkeypatch.setattr(asl, "AUTO_USES_KERNEL", True)
+  monkeypatch.setattr(asl.SWITCH, "auto_kernel", True)
   monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(asl.SWITCH, "probed", {})
   calls = []

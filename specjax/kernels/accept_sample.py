@@ -24,7 +24,7 @@ Two implementations of one function:
 
 `accept_sample` dispatches like the verification-attention kernel (`dispatch.KernelSwitch`):
 SPECJAX_ACCEPT_SAMPLE=auto|pallas|xla (or `set_impl`); `pallas` on a CPU runs the kernel in
-interpret mode. Under auto the reference serves, unless `AUTO_USES_KERNEL` is set (then: the kernel
+interpret mode. Under auto the reference serves, unless `SWITCH.auto_kernel` is set (then: the kernel
 on a GPU for shapes whose probe passed): on an H200 (experiments/results/accept_sample_h200.json,
 22 shapes, batch 1-64, K 4-16, V 49152) the kernel's whole step was a median 0.90x of XLA's
 (0.64-1.54x), the whole step taking 17-67 microseconds either way, so it is opt-in.
@@ -237,8 +237,7 @@ def pallas_accept_sample(p: jax.Array, draft: jax.Array, draft_len: jax.Array, u
 # dispatch
 
 
-SWITCH = dispatch.KernelSwitch("accept_sample", IMPL_ENV)
-AUTO_USES_KERNEL = False   # measured slower than XLA on an H200 (module docstring): auto means the reference
+SWITCH = dispatch.KernelSwitch("accept_sample", IMPL_ENV, auto_kernel=False)   # slower than XLA on an H200
 set_impl = SWITCH.set_impl
 current_impl = SWITCH.current_impl
 
@@ -271,7 +270,7 @@ def choose(p_shape, p_dtype, has_q: bool) -> tuple[str, Tiling | None]:
   if impl == "pallas":
     return impl, tiling
   key = (b, k1 - 1, v, jnp.dtype(p_dtype).name, has_q, tiling)
-  if AUTO_USES_KERNEL and dispatch.on_gpu() and SWITCH.kernel_works(
+  if SWITCH.auto_kernel and dispatch.on_gpu() and SWITCH.kernel_works(
       key, functools.partial(_probe, b, k1 - 1, v, p_dtype, has_q, tiling), log):
     return "pallas", tiling
   return "xla", None

@@ -1,7 +1,8 @@
 """Choosing between a Pallas kernel and its XLA reference, shared by the kernels of this folder.
 
 Each kernel has a `KernelSwitch`: "auto" (default), "pallas" or "xla", from `set_impl` or else
-from its environment variable. Under auto a kernel serves only on a GPU, and only for shapes
+from its environment variable. Under auto a kernel serves only on a GPU (and only if its switch's
+`auto_kernel` is on: a kernel measured slower than its reference is opt-in), and only for shapes
 whose probe (compile the kernel, run it and the reference on random inputs, compare) passed;
 the probe runs once per shape key, in a worker thread (JAX's trace state is per thread, so it
 executes even while the caller is being traced), and a failure logs one warning and leaves that
@@ -37,8 +38,9 @@ def sm_count() -> int:
 class KernelSwitch:
   """The implementation choice for one kernel (`name` in warnings, `env` its variable)."""
 
-  def __init__(self, name: str, env: str):
+  def __init__(self, name: str, env: str, auto_kernel: bool = True):
     self.name, self.env = name, env
+    self.auto_kernel = auto_kernel  # under auto, the kernel serves (on a GPU, probe passed); False: opt-in
     self.forced: str | None = None
     self.probed: dict = {}        # shape key -> the probe passed
     self.warned: set = set()

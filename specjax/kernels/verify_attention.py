@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 
 import jax
