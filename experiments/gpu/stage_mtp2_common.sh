@@ -14,6 +14,9 @@ else
 fi
 : "${OUT:?set OUT to the folder whose files come back}"
 mkdir -p "$OUT" "$PERSIST"
+# a fresh machine: what an earlier machine's stages returned (the data tar, heads) can be carried in
+# .gpucarry/persist/ (ignored by git, named in the call's carry) and seeds $PERSIST
+[ -d .gpucarry/persist ] && cp -rn .gpucarry/persist/. "$PERSIST/" && echo "[mtp2] seeded $PERSIST from .gpucarry/persist: $(ls .gpucarry/persist | tr '\n' ' ')"
 # the config's data folders, out_dir and export, e.g. "out/mtp_gpu2/data_greedy out/mtp_gpu2/data_ref ..."
 read -r OUTDIR EXPORT DATA_DIRS <<<"$(python3 -c "
 from specjax.train.mtp import load_spec

@@ -44,5 +44,8 @@ PY
   for d in $DATA_DIRS; do
     for f in "$d"/magpie_prompts_*.jsonl; do [ -f "$f" ] && cp "$f" "$OUT/$(basename "$d")_$(basename "$f")"; done
   done
+  # token shards only (no taps): small enough to come back, so a later machine can train on them
+  [ -f "$PERSIST/mtp2_data.tar" ] && [ "$(stat -c %s "$PERSIST/mtp2_data.tar")" -lt 16000000 ] && cp "$PERSIST/mtp2_data.tar" "$OUT/"
+  [ -f "$PERSIST/mtp2_data.complete" ] && touch "$OUT/mtp2_data.complete"
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_mtp2_data.log"
