@@ -1,33 +1,38 @@
 """Adaptive drafting: per-sequence draft lengths from running acceptance, and a batch-wide
-verification width chosen by measured cost, backing off to plain decoding when speculation does
-not pay.
+verification width chosen by measured cost and measured acceptance by position, backing off to
+plain decoding when speculation does not pay.
 
-Each sequence i keeps an exponentially decayed estimate of its drafter's per-token acceptance
-alpha_i (censored-geometric maximum likelihood: accepted tokens / (accepted tokens + rejections))
-and of its draft yield rho_i (how often the drafter had a draft at all when asked). With draft
-length n its expected tokens per round are
+Two estimates, both exponentially decayed per round:
 
-    E_i(n) = 1 + rho_i * (alpha_i + alpha_i^2 + ... + alpha_i^n).
+- per sequence i, its drafter's per-token acceptance alpha_i (censored-geometric maximum
+  likelihood: accepted tokens / (accepted tokens + rejections)). On the host loop a sequence drafts
+  at most n_i* tokens, the longest draft whose last token is still reached with probability
+  alpha_i^n >= `reach_min` (host drafting costs time per token). On the device loop every sequence
+  is verified at the batch's width anyway, so drafts fill it (`device_reach_min` = 0).
+- batch-wide, by draft position j, p_j = P(position j accepted | a draft through j was asked for):
+  rounds where the drafter had no draft, or a shorter one, count as misses. This is what the width
+  choice uses. A first version predicted the gain of width w from the geometric model
+  1 + rho * (alpha + .. + alpha^w); with n-gram drafters (short drafts fully accepted, so alpha is
+  high, but rarely a long draft) it over-predicted wide widths, and on an H100 at batch 64 the
+  controller kept width 8 (15.5k tok/s) where fixed n_max 2 gave 21.4k.
 
-On the host loop a sequence drafts at most n_i* tokens, the longest draft whose last token is still
-reached with probability alpha_i^n >= `reach_min` (its running acceptance sets its length: host
-drafting costs time per token). On the device loop every sequence is verified at the batch's
-width anyway, so drafts fill it (`device_reach_min` = 0: a shorter draft would save nothing); there
-the sequences' running acceptances act through the width choice. The verification
-width w is the same for the whole batch (verification is one [B, w+1] forward), taken from a few
-compiled widths; w = 0 is a plain decode step. The device loop runs in segments of
-`segment_rounds` rounds at one static width (a width per segment chosen on the host from the
-running estimates). A first version chose per round with a `lax.switch` over widths and ran 24%
-slower than fixed n_max 2 at batch 64 on an H200 with the same tau; the suspected cause (not
-profiled) is XLA copying the carried KV cache through the conditional. The host loop chooses
-every round. The controller picks
+The verification width w is the same for the whole batch (one [B, w+1] forward), taken from a few
+compiled widths; w = 0 is a plain decode step. The controller picks
 
-    w = argmax_w  sum_i E_i(min(w, n_i*)) / cost(B, w),
+    w = argmax_w  sum_i live_i * (1 + p_1 + .. + p_min(w, n_i*)) / cost(B, w),
 
-with cost(B, w) the measured milliseconds of a target forward of w + 1 tokens at this batch
-size and capacity (`calibrate`, once per shape; it is cached). At large batches verification of
-many tokens stops being free (the forward becomes compute-bound), cost grows with w and the
-argmax moves to short drafts or to w = 0: speculation backs off by itself.
+with cost(B, w) the measured milliseconds of a whole round at width w at this batch size and
+capacity (timed once per shape, cached: `remember_costs`; `calibrate` is a forward-only first
+estimate). At large batches verification of many tokens stops being free, cost grows with w and
+the argmax moves to short drafts or to w = 0: speculation backs off by itself. Positions beyond the
+chosen width get no new evidence, so every `explore_every` segments (and first of all) a short
+segment of `explore_rounds` rounds runs at the widest width.
+
+The device loop runs in segments of `segment_rounds` rounds at one static width. The host picks
+each segment's width from the estimates of the segment before the one in flight (pipelined: the
+GPU never waits for the host's choice). A first version chose per round with a `lax.switch` over
+widths and ran 24% slower than fixed n_max 2 at batch 64 on an H200 with the same tau (suspected:
+copies of the KV cache through the conditional). The host loop chooses every round.
 
 Off / on: `speculative_generate(..., adaptive=AdaptiveConfig())`, bench methods `adaptive: true`.
 """
@@ -57,8 +62,9 @@ class AdaptiveConfig:
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
   segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment
-  explore_every: int = 4          # after this many segments (host loop: x segment_rounds rounds) of
-                                  # plain decoding, one at the best non-zero width refreshes the estimates
+  explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
+                                  # the first segment, then one every `explore_every` segments
+  explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
 
   def widths_for(self, k: int) -> tuple[int, ...]:
     if self.widths is not None:
@@ -83,18 +89,31 @@ def _xp(x):
 class AdaptiveState:
   accepted: jax.Array   # [B] f32 decayed accepted draft tokens
   trials: jax.Array     # [B] f32 decayed accepted tokens + rejections
-  yield_: jax.Array     # [B] f32 decayed fraction of asked rounds with a non-empty draft
+  pos_hits: jax.Array   # [K] f32 decayed count (over the batch) of drafts accepted through position j
+  pos_asked: jax.Array  # [K] f32 decayed count of live sequences asked for a draft through position j
 
   @staticmethod
-  def init(batch: int, ac: AdaptiveConfig, xp=jnp) -> "AdaptiveState":
+  def init(batch: int, k: int, ac: AdaptiveConfig, xp=jnp) -> "AdaptiveState":
     full = lambda v: xp.full((batch,), v, xp.float32)
+    prior = ac.prior_weight * ac.prior_alpha ** xp.arange(1, k + 1, dtype=xp.float32)
     return AdaptiveState(accepted=full(ac.prior_alpha * ac.prior_weight), trials=full(ac.prior_weight),
-                         yield_=full(1.0))
+                         pos_hits=prior.astype(xp.float32),
+                         pos_asked=xp.full((k,), ac.prior_weight, xp.float32))
 
   @property
   def alpha(self) -> jax.Array:
     xp = _xp(self.accepted)
     return xp.clip(self.accepted / xp.maximum(self.trials, 1e-6), 0.0, 0.999)
+
+  @property
+  def position_rates(self) -> jax.Array:
+    """[K] p_j = P(position j accepted | asked); non-increasing in j (accepting j means accepting
+    every position before it; stale estimates of unexplored positions could say otherwise)."""
+    xp = _xp(self.pos_hits)
+    p = xp.clip(self.pos_hits / xp.maximum(self.pos_asked, 1e-6), 0.0, 1.0)
+    if xp is np:
+      return np.minimum.accumulate(p)
+    return jax.lax.cummin(p)
 
 
 def longest_useful(alpha, n_max, reach_min: float):
@@ -106,35 +125,35 @@ def longest_useful(alpha, n_max, reach_min: float):
   return xp.clip(xp.floor(np.log(reach_min) / logs), 0, n_max).astype(xp.int32)
 
 
-def expected_tokens(alpha, rho, n):
-  """[B] 1 + rho * sum_{j=1..n} alpha^j."""
-  xp = _xp(alpha)
-  return 1.0 + rho * alpha * (1.0 - alpha ** n) / xp.maximum(1.0 - alpha, 1e-6)
+def expected_gain(rates, caps, live, widths: tuple[int, ...]) -> np.ndarray:
+  """[W] expected tokens per round, summed over live sequences, at each width: sequence i drafts
+  min(w, caps_i) tokens and position j is accepted with probability rates[j-1] (prefix sums)."""
+  rates = np.asarray(rates, np.float64)
+  cum = np.concatenate([[0.0], np.cumsum(rates)])                                          # [K+1]
+  n_w = np.minimum(np.minimum(np.asarray(widths)[:, None], np.asarray(caps)[None, :]), len(rates))   # [W, B]
+  return np.sum(np.where(np.asarray(live)[None, :], 1.0 + cum[n_w], 0.0), axis=1)
 
 
-def choose_width_np(alpha, yield_, n_max, live, widths: tuple[int, ...], costs, reach_min: float,
-                    explore: bool = False) -> int:
-  """Index into widths maximizing expected tokens per ms (with `explore`, the best non-zero width:
-  estimates only move when drafts are verified, so backing off for good would freeze them)."""
-  alpha, yield_ = np.asarray(alpha, np.float64), np.asarray(yield_, np.float64)
-  n_w = np.minimum(np.asarray(widths)[:, None], longest_useful(alpha, np.asarray(n_max), reach_min)[None, :])
-  gain = np.sum(np.where(np.asarray(live)[None, :], expected_tokens(alpha, yield_, n_w), 0.0), axis=1)
-  rate = gain / np.asarray(costs, np.float64)
-  if explore and len(widths) > 1:
-    rate = np.where(np.asarray(widths) > 0, rate, -np.inf)
-  return int(np.argmax(rate))
+def choose_width_np(rates, caps, live, widths: tuple[int, ...], costs) -> int:
+  """Index into widths maximizing expected tokens per ms."""
+  return int(np.argmax(expected_gain(rates, caps, live, widths) / np.asarray(costs, np.float64)))
 
 
 def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
   """After a round: asked [B] requested draft lengths, dlen [B] verified lengths, n_acc [B]."""
   xp = _xp(ast.accepted)
   drafted = live & (dlen > 0)
-  asked_ = live & (asked > 0)
   acc = xp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
   trials = xp.where(drafted, decay * ast.trials + n_acc + (n_acc < dlen), ast.trials)
-  yld = xp.where(asked_, decay * ast.yield_ + (1 - decay) * drafted, ast.yield_)
+  pos = xp.arange(ast.pos_hits.shape[0])[None, :]                                        # [1, K]
+  asked_j = xp.sum((live[:, None] & (asked[:, None] > pos)).astype(xp.float32), axis=0)   # [K]
+  hits_j = xp.sum((live[:, None] & (n_acc[:, None] > pos)).astype(xp.float32), axis=0)   # [K]
+  seen = asked_j > 0                                  # positions nobody was asked for keep their estimate
+  pos_asked = xp.where(seen, decay * ast.pos_asked + asked_j, ast.pos_asked)
+  pos_hits = xp.where(seen, decay * ast.pos_hits + hits_j, ast.pos_hits)
   return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32),
-                       yield_=yld.astype(xp.float32))
+                       pos_hits=pos_hits.astype(xp.float32),
+                       pos_asked=pos_asked.astype(xp.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,21 +222,37 @@ def _forward_logits(params, tokens, state, *, target, cfg):
 
 class HostController:
   """The same controller for the host loop (numpy, no device round trip): `lengths` before a
-  round, `observe` after it."""
+  round, `observe` after it. The first `explore_rounds` rounds, and as many every
+  `explore_every` x `segment_rounds` rounds, run at the widest width."""
 
   def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray):
     self.ac, self.widths, self.costs = ac, ac.widths_for(k), np.asarray(costs, np.float64)
-    self.state = AdaptiveState.init(batch, ac, np)
+    self.state = AdaptiveState.init(batch, k, ac, np)
     self.asked = np.zeros(batch, np.int64)
-    self.plain_rounds = 0
+    self.round = 0
+    self.chosen: list[int] = []        # the width of every round
 
   def lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
-    explore = self.plain_rounds >= self.ac.explore_every * self.ac.segment_rounds
-    w = self.widths[choose_width_np(self.state.alpha, self.state.yield_, n_max, live, self.widths, self.costs,
-                                    self.ac.reach_min, explore)]
-    self.plain_rounds = self.plain_rounds + 1 if w == 0 else 0
-    self.asked = np.where(live, np.minimum(w, longest_useful(self.state.alpha, n_max, self.ac.reach_min)), 0)
+    caps = longest_useful(self.state.alpha, n_max, self.ac.reach_min)
+    if self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
+      w = self.widths[-1]
+    else:
+      w = self.widths[choose_width_np(self.state.position_rates, caps, live, self.widths, self.costs)]
+    self.round += 1
+    self.chosen.append(int(w))
+    self.asked = np.where(live, np.minimum(w, caps), 0)
     return self.asked
 
   def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
     self.state = update(self.state, self.asked, dlen, n_acc, live, self.ac.decay)
+
+  def record(self) -> dict:
+    """What the controller did: the widths, their costs, and [width, rounds] runs in order (the
+    device loop's record has the same form)."""
+    runs: list[list[int]] = []
+    for w in self.chosen:
+      if runs and runs[-1][0] == w:
+        runs[-1][1] += 1
+      else:
+        runs.append([w, 1])
+    return {"widths": list(self.widths), "costs_ms": [float(c) for c in self.costs], "segments": runs}

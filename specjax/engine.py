@@ -170,15 +170,18 @@ def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_n
                    donate_argnames=("state", "dstate"))
 def _adaptive_segment(params, dparams, state, dstate, stats, ast, sampling, dp, stop_ids, max_new, rounds, *, cfg,
                       drafter, rollback, width, reach_min, decay):
-  """Up to `rounds` rounds at one static verification width, in one while_loop. The host picks the
-  next segment's width from the running estimates (a width per segment, not a `lax.switch` per
+  """Up to `rounds` rounds at one static verification width, in one while_loop. The host picks
+  each segment's width from the running estimates (a width per segment, not a `lax.switch` per
   round: that version was 24% slower on an H200, suspected copies of the KV cache through the
-  conditional). `rounds` is traced, so a zero-round call compiles the same program (`warm`)."""
+  conditional). `rounds` is traced, so a zero-round call compiles the same program (`warm`).
+  Returns, beside the carried state, a probe for the host (fresh buffers, readable after `state`
+  is donated to the next segment): done [B], alpha [B], position rates [K], rounds run."""
   body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
                            rollback, width, reach_min, decay)
-  state, dstate, stats, ast, _ = jax.lax.while_loop(
+  state, dstate, stats, ast, ran = jax.lax.while_loop(
       lambda c: ~jnp.all(c[0].done) & (c[4] < rounds), body, (state, dstate, stats, ast, jnp.int32(0)))
-  return state, dstate, stats, ast
+  probe = (state.done.copy(), ast.alpha, ast.position_rates, ran)
+  return state, dstate, stats, ast, probe
 
 
 def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, *, cfg, drafter, rollback,
@@ -206,8 +209,7 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
       a = args()
       jax.block_until_ready(a)
       t0 = time.perf_counter()
-      out = seg(*a, jnp.int32(rounds))
-      ran = int(jnp.max(out[2].rounds))
+      ran = int(seg(*a, jnp.int32(rounds))[4][3])     # waits for the segment
       ms.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
     costs.append(min(ms))
   return np.asarray(costs, np.float32) if rounds >= 2 and timed else None
@@ -215,19 +217,23 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
 
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
                    warm=False, cost_key=None):
-  """Segments of `ac.segment_rounds` rounds, each at the width the host picks from the running
-  estimates. Once per shape (`cost_key`) it compiles the segment of every width and times whole
-  rounds at each (`_measure_round_costs`), which replace the forward-only calibration, so the
-  controller does not pick widths from costs that leave out sampling and drafting; `warm` (a
-  benchmark's untimed warm-up passes it) compiles every width too, so a later timed run never
-  compiles (without it, on an H200 at batch 64, widths a short warm-up never chose compiled inside
-  the timed run: 0.035x of plain decoding). One host round trip per segment: the estimates and the
-  done flags, fetched together."""
+  """Segments of rounds, each at the width the host picks from the running estimates; the first
+  (and every `ac.explore_every`-th) a short one at the widest width, which refreshes the estimate
+  of every draft position. Pipelined: segment s + 1 is enqueued (its width chosen from the probe
+  of segment s - 1) before the host waits for segment s, so the device never idles on the host;
+  once every sequence is done, the one segment already enqueued runs no round.
+
+  Once per shape (`cost_key`) it compiles the segment of every width and times whole rounds at
+  each (`_measure_round_costs`), which replace the forward-only calibration; `warm` (a benchmark's
+  untimed warm-up passes it) compiles every width too, so a later timed run never compiles
+  (without it, on an H200 at batch 64, widths a short warm-up never chose compiled inside the
+  timed run: 0.035x of plain decoding). Returns the state, the drafter state, the round stats and
+  a record of the run (costs, widths, rounds run at each)."""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
-  stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, ac)
+  stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, k, ac)
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt._MEASURED
   if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
     measured = _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, cfg=cfg,
@@ -235,17 +241,32 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
   n_max = np.asarray(dp["n_max"])
-  plain_segments = 0
-  while True:
-    alpha, yld, done = jax.device_get((ast.alpha, ast.yield_, state.done))
-    if done.all():
-      return state, dstate, stats
-    w = widths[adapt.choose_width_np(alpha, yld, n_max, ~done, widths, costs, ac.device_reach_min,
-                                     explore=plain_segments >= ac.explore_every)]
-    plain_segments = plain_segments + 1 if w == 0 else 0
-    state, dstate, stats, ast = _adaptive_segment(
-        params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(ac.segment_rounds),
+  caps = np.broadcast_to(n_max, (b,))               # device drafts fill the width (device_reach_min 0)
+  runs: list[list] = []   # [width, rounds asked, probe] per segment, in order
+
+  def launch(w, rounds):
+    nonlocal state, dstate, stats, ast
+    state, dstate, stats, ast, probe = _adaptive_segment(
+        params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(rounds),
         cfg=cfg, drafter=drafter, rollback=rollback, width=w, reach_min=ac.device_reach_min, decay=ac.decay)
+    runs.append([w, rounds, probe])
+
+  def choose(probe, segment: int):
+    done, alpha, rates, _ = probe
+    if segment % ac.explore_every == 0:
+      return widths[-1], ac.explore_rounds
+    caps_ = adapt.longest_useful(alpha, n_max, ac.device_reach_min) if ac.device_reach_min > 0 else caps
+    return widths[adapt.choose_width_np(rates, caps_, ~done, widths, costs)], ac.segment_rounds
+
+  launch(widths[-1], ac.explore_rounds)              # segment 0 explores every position
+  seen = jax.device_get(runs[0][2])                  # the one wait the pipeline cannot hide
+  while not seen[0].all():
+    launch(*choose(seen, len(runs)))                 # segment s + 1, from the probe of segment s - 1
+    seen = jax.device_get(runs[-2][2])               # wait for segment s (segment s + 1 keeps the device busy)
+  ran = jax.device_get([p[3] for _, _, p in runs])
+  record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
+            "segments": [[int(w), int(r)] for (w, _, _), r in zip(runs, ran) if r > 0]}   # [width, rounds run]
+  return state, dstate, stats, record
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))
@@ -293,7 +314,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
   if adaptive is True:
     adaptive = adapt.AdaptiveConfig()
-  costs = None
+  costs, record = None, None
   if adaptive:   # measured once per shape (cached): a benchmark's warm-up pays for it
     costs = (np.asarray(adaptive.costs, np.float32) if adaptive.costs is not None else
              adapt.calibrate(params, cfg, b, cap, adaptive.widths_for(k), context=int(np.max(lens))))
@@ -305,10 +326,10 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     state, dstate = _spec_prefill(params, dparams, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new,
                                   cfg=cfg, drafter=drafter, capacity=cap, history_len=history_len)
     if adaptive:
-      state, dstate, stats = _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
-                                            drafter=drafter, rollback=rollback, ac=adaptive, costs=costs,
-                                            warm=warm_widths, cost_key=adapt.cost_key(params, cfg, b, cap,
-                                                                                      adaptive.widths_for(k)))
+      state, dstate, stats, record = _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new,
+                                                    cfg=cfg, drafter=drafter, rollback=rollback, ac=adaptive,
+                                                    costs=costs, warm=warm_widths,
+                                                    cost_key=adapt.cost_key(params, cfg, b, cap, adaptive.widths_for(k)))
     else:
       state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
                                         drafter=drafter, rollback=rollback)
@@ -317,12 +338,13 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
-    state, stats, draft_seconds = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop,
-                                             max_new, cap, history_len, warm_widths, rollback, adaptive or None, costs)
+    state, stats, draft_seconds, record = _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp,
+                                                     stop, max_new, cap, history_len, warm_widths, rollback,
+                                                     adaptive or None, costs)
     seconds = time.perf_counter() - t0
   outs = outputs_of(state)
   return SpecResult(tokens=outs, seconds=seconds,
-                    stats=SpecStats.from_rounds(drafter.name, stats, b, seconds, draft_seconds))
+                    stats=SpecStats.from_rounds(drafter.name, stats, b, seconds, draft_seconds, adaptive=record))
 
 
 def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, max_new, cap, history_len,
@@ -374,4 +396,4 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
     draft_seconds += time.perf_counter() - t0
   if hasattr(drafter, "end"):
     drafter.end(histories)      # e.g. the suffix drafter's global tree learns the final tokens
-  return state, stats, draft_seconds
+  return state, stats, draft_seconds, None if control is None else control.record()

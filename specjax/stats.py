@@ -67,16 +67,19 @@ class SpecStats:
   per_seq_acc_tokens: list[int] = dataclasses.field(default_factory=list)
   per_seq_gen_tokens: list[int] = dataclasses.field(default_factory=list)
   per_seq_emitted: list[int] = dataclasses.field(default_factory=list)
+  adaptive: dict | None = None       # adaptive drafting: widths, measured costs (ms), [width, rounds] runs
 
   @staticmethod
-  def from_rounds(name: str, rs: RoundStats, n_seq: int, seconds: float, draft_seconds: float = 0.0) -> "SpecStats":
+  def from_rounds(name: str, rs: RoundStats, n_seq: int, seconds: float, draft_seconds: float = 0.0,
+                  adaptive: dict | None = None) -> "SpecStats":
     h = jax.tree_util.tree_map(np.asarray, rs)
     return SpecStats(name=name, n_seq=n_seq, rounds=int(h.rounds.sum()), gen_drafts=int(h.gen_drafts.sum()),
                      acc_drafts=int(h.acc_drafts.sum()), gen_tokens=int(h.gen_tokens.sum()),
                      acc_tokens=int(h.acc_tokens.sum()), drafted_by_pos=h.drafted_by_pos.tolist(),
                      accepted_by_pos=h.accepted_by_pos.tolist(), emitted=int(h.emitted.sum()), seconds=seconds, draft_seconds=draft_seconds,
                      per_seq_rounds=h.rounds.tolist(), per_seq_acc_tokens=h.acc_tokens.tolist(),
-                     per_seq_gen_tokens=h.gen_tokens.tolist(), per_seq_emitted=h.emitted.tolist())
+                     per_seq_gen_tokens=h.gen_tokens.tolist(), per_seq_emitted=h.emitted.tolist(),
+                     adaptive=adaptive)
 
   @property
   def tau(self) -> float:

@@ -5,6 +5,8 @@ decoding."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,36 +28,51 @@ WIDTHS = (0, 2, 4)
 
 
 def test_controller_follows_acceptance_and_cost():
-  """High acceptance and flat cost -> the widest width; the same acceptance with verification
-  cost growing steeply with width -> w = 0 (plain decoding); a sequence with low acceptance gets
-  a shorter draft than one with high acceptance (device `longest_useful` and the host controller
-  agree)."""
+  """High acceptance by position and flat cost -> the widest width; the same acceptance with
+  verification cost growing steeply with width -> w = 0 (plain decoding); acceptance that dies
+  after the first positions (an n-gram drafter with short drafts) and a mildly rising cost -> a
+  short width, even though the few drafts it has are fully accepted. Per-sequence caps
+  (`longest_useful`, the host loop) shorten a low-acceptance sequence's draft."""
   live = np.ones(2, bool)
-  n_max = np.full(2, K)
-  flat, steep = np.asarray([1.0, 1.0, 1.0]), np.asarray([1.0, 3.0, 6.0])
-  ones = np.ones(2)
-  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
-  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, steep, 0.2)] == 0
-  assert WIDTHS[adapt.choose_width_np([0.9, 0.9], ones, n_max, live, WIDTHS, steep, 0.2, explore=True)] == 2
-  assert WIDTHS[adapt.choose_width_np([0.9, 0.3], ones, n_max, live, WIDTHS, flat, 0.2)] == 4
+  caps = np.full(2, K)
+  flat, steep, mild = np.asarray([1.0, 1.0, 1.0]), np.asarray([1.0, 3.0, 6.0]), np.asarray([1.0, 1.15, 1.4])
+  high = 0.9 ** np.arange(1, K + 1)
+  assert WIDTHS[adapt.choose_width_np(high, caps, live, WIDTHS, flat)] == 4
+  assert WIDTHS[adapt.choose_width_np(high, caps, live, WIDTHS, steep)] == 0
+  short = np.asarray([0.6, 0.5, 0.05, 0.05])   # H100 batch 64, ngram_simple: tau 1.31 at n_max 2, 1.43 at 8
+  assert WIDTHS[adapt.choose_width_np(short, caps, live, WIDTHS, mild)] == 2
+  assert adapt.expected_gain(short, caps, live, WIDTHS).tolist() == pytest.approx([2.0, 2 * 2.1, 2 * 2.2])
+  assert adapt.expected_gain(short, np.asarray([4, 1]), live, WIDTHS).tolist() == pytest.approx([2.0, 3.7, 3.8])
   n = np.asarray(adapt.longest_useful(jnp.asarray([0.9, 0.3]), jnp.full(2, K), 0.2))
   assert n[0] == 4 and 0 < n[1] < n[0], n
-  host = adapt.HostController(adapt.AdaptiveConfig(widths=WIDTHS), 2, K, flat)
-  host.state = adapt.AdaptiveState(accepted=np.asarray([0.9, 0.3]) * 50, trials=np.full(2, 50.0), yield_=ones)
-  assert host.lengths(n_max, live).tolist() == n.tolist()
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, explore_rounds=1)
+  host = adapt.HostController(ac, 2, K, flat)
+  host.state = dataclasses.replace(host.state, accepted=np.asarray([0.9, 0.3]) * 50, trials=np.full(2, 50.0))
+  assert host.lengths(caps, live).tolist() == n.tolist()            # exploration round: the widest width
+  host.state = dataclasses.replace(host.state, pos_hits=np.asarray([1.0, 0.0, 0.0, 0.0]), pos_asked=np.ones(K))
+  host.costs = mild
+  assert host.lengths(caps, live).tolist() == [2, min(2, n[1])]     # then the width the estimates choose
+  assert host.record()["segments"] == [[4, 1], [2, 1]]
 
 
-def test_update_estimates_per_token_acceptance():
+def test_update_estimates_acceptance_per_token_and_per_position():
   """Rounds that accept 3 of 4, then reject at the first token, move alpha the censored-geometric
-  way: accepted / (accepted + rejections)."""
-  ast = adapt.AdaptiveState(accepted=jnp.zeros(1), trials=jnp.zeros(1), yield_=jnp.ones(1))
-  live = jnp.ones(1, bool)
-  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([4]), jnp.asarray([3]), live, decay=1.0)
+  way (accepted / (accepted + rejections)); the batch-wide position rates count, per position, the
+  live sequences accepted through it over those asked for it, a missing draft counting as a miss;
+  positions nobody was asked for keep their estimate."""
+  init = adapt.AdaptiveState.init(2, K, adapt.AdaptiveConfig(prior_weight=0.0))
+  ast = dataclasses.replace(init, accepted=jnp.zeros(2), trials=jnp.zeros(2))
+  live = jnp.asarray([True, False])
+  ast = adapt.update(ast, jnp.asarray([4, 4]), jnp.asarray([4, 4]), jnp.asarray([3, 4]), live, decay=1.0)
   assert float(ast.alpha[0]) == pytest.approx(3 / 4)
-  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([4]), jnp.asarray([0]), live, decay=1.0)
+  ast = adapt.update(ast, jnp.asarray([4, 4]), jnp.asarray([4, 4]), jnp.asarray([0, 4]), live, decay=1.0)
   assert float(ast.alpha[0]) == pytest.approx(3 / 5)
-  ast = adapt.update(ast, jnp.asarray([4]), jnp.asarray([0]), jnp.asarray([0]), live, decay=0.5)
-  assert float(ast.alpha[0]) == pytest.approx(3 / 5) and float(ast.yield_[0]) == pytest.approx(0.5)
+  assert np.asarray(ast.position_rates).tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
+  live = jnp.asarray([True, True])
+  ast = adapt.update(ast, jnp.asarray([2, 2]), jnp.asarray([0, 2]), jnp.asarray([0, 2]), live, decay=1.0)
+  assert float(ast.alpha[0]) == pytest.approx(3 / 5)                # no draft: no evidence about alpha
+  assert np.asarray(ast.pos_asked).tolist() == [4, 4, 2, 2]
+  assert np.asarray(ast.position_rates).tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
 
 
 @pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.6, 2.2), (1.0, 50.0, 100.0)],
@@ -72,6 +89,10 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   for d in drafters:
     res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
     assert res.tokens == plain, d.name
+    rec = res.stats.adaptive      # [width, rounds] runs: they add up to the rounds the loop ran
+    assert rec["widths"] == list(WIDTHS) and rec["costs_ms"] == pytest.approx(costs)
+    assert sum(n for _, n in rec["segments"]) == max(res.stats.per_seq_rounds), rec
+    assert rec["segments"][0][0] == WIDTHS[-1], rec          # the first rounds explore the widest width
     if costs[1] >= 50:   # backs off; only the exploration segments verify drafts
       assert res.stats.gen_tokens <= 0.5 * res.stats.rounds * K, res.stats.format()
     else:

@@ -104,3 +104,23 @@ def test_tiny_run_numbers_match_the_engine(tmp_path):
   assert result["summary"][PLAIN]["overall"]["equal"] == 1.0
   assert set(result["summary"]["ngram"]["by_category"]) == {q.category for q in questions}
   assert result["git_revision"] and result["device"]["platform"] == "cpu"
+
+
+def test_adaptive_method_reports_what_its_controller_did():
+  """A bench method with adaptive drafting on records, per batch, the widths its controller ran
+  (the first rounds exploring the widest) and their measured costs; the rounds at each width add
+  up to the rounds of its records (batch size 1: a batch's rounds are its prompt's)."""
+  if not model_path("smollm2-135m-instruct").exists():
+    pytest.skip("SmolLM2 not fetched")
+  from specjax.bench.harness import run_experiment
+  cfg = config_from_dict({**TINY, "turns": 1, "batch_size": 1, "max_new_tokens": 24, "methods": [
+      {"name": "adaptive", "speculator": "ngram_simple", "options": {"size_n": 2, "size_m": 4},
+       "draft_params": {"n_max": 4}, "adaptive": {"segment_rounds": 4, "explore_rounds": 2}}]})
+  result = json.loads(json.dumps(run_experiment(cfg, progress=False)))
+  s = result["summary"]["adaptive"]["overall"]
+  ad = s["adaptive"]
+  assert ad["widths"] == [0, 1, 2, 4] and len(ad["costs_ms"]) == 4 and all(c > 0 for c in ad["costs_ms"])
+  assert ad["costs_ms"] == sorted(ad["costs_ms"])
+  assert sum(ad["rounds_at_width"].values()) == sum(r["rounds"] for r in result["prompts"]["adaptive"])
+  assert ad["first_batch_segments"][0] == [4, 2]
+  assert result["summary"]["adaptive"]["overall"]["equal"] == 1.0

@@ -53,6 +53,7 @@ class PromptRecord:
   accepted_by_pos: list = dataclasses.field(default_factory=list)
   draft_seconds: float = 0.0
   equal_to_plain: bool | None = None
+  adaptive: dict | None = None  # adaptive drafting's record of the batch (on the batch's first prompt)
   tokens: list = dataclasses.field(default_factory=list, repr=False)
 
   @property
@@ -162,6 +163,7 @@ def run_method(cfg: ExperimentConfig, target, method: MethodConfig | None, quest
           rec.rounds, rec.acc_tokens = st.per_seq_rounds[j], st.per_seq_acc_tokens[j]
           rec.gen_tokens, rec.emitted = st.per_seq_gen_tokens[j], st.per_seq_emitted[j]
           rec.draft_seconds = st.draft_seconds
+          rec.adaptive = st.adaptive if j == 0 else None
           if len(idx) == 1:   # per-position counts are per batch; kept when the batch is one prompt
             rec.drafted_by_pos, rec.accepted_by_pos = st.drafted_by_pos, st.accepted_by_pos
         records.append(rec)
@@ -195,7 +197,21 @@ def _summary(records: list[PromptRecord], plain: dict) -> dict:
       "equal": statistics.fmean(equal) if equal else None,
       "draft_seconds": sum(r.draft_seconds for r in records),
       "draft_ms_per_round": 1e3 * sum(r.draft_seconds for r in records) / rounds if rounds else None,
+      **({"adaptive": _adaptive_summary([r.adaptive for r in records if r.adaptive])}
+         if any(r.adaptive for r in records) else {}),
   }
+
+
+def _adaptive_summary(runs: list[dict]) -> dict:
+  """Adaptive drafting over the batches: measured costs (of the last batch), rounds at each width,
+  and the first batch's segments in order."""
+  rounds: dict[int, int] = {}
+  for r in runs:
+    for w, n in r["segments"]:
+      rounds[w] = rounds.get(w, 0) + n
+  return {"widths": runs[-1]["widths"], "costs_ms": runs[-1]["costs_ms"],
+          "rounds_at_width": {str(w): rounds.get(w, 0) for w in runs[-1]["widths"]},
+          "first_batch_segments": runs[0]["segments"]}
 
 
 def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict:
