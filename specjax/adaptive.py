@@ -171,13 +171,38 @@ def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) ->
 _MEASURED: set = set()    # shapes whose cached costs are timed whole rounds, not the forward-only calibration
 
 
+_RAW: dict = {}           # the timed round costs of a shape as measured, before `remember_costs` orders them
+
+
 def remember_costs(key: tuple, costs) -> np.ndarray:
   """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
   per shape: `engine._measure_round_costs`)."""
+  _RAW[key] = np.asarray(costs, np.float32)
   out = np.maximum.accumulate(np.maximum(np.asarray(costs, np.float32), 1e-3))
   _COSTS[key] = out
   _MEASURED.add(key)
   return out
+
+
+class OnlineCosts:
+  """Round costs that follow the run: each finished segment's wall time per round replaces (by an
+  exponential average) the cost of its width. The warm-up's timings of a few rounds on copies were
+  off on an H100 (every width measured alike, 3.2 ms at batch 64, while real rounds took 4.0 ms
+  plain and 5.3 ms at width 8), so the controller kept the widest width; widths the run has not
+  timed keep the warm-up's figure, and a width measured too cheap is tried and corrected. Costs given
+  in the config (`AdaptiveConfig.costs`, any unit) are not learned."""
+
+  def __init__(self, costs, weight: float = 0.5, learn: bool = True):
+    self.ms = np.asarray(costs, np.float64).copy()
+    self.timed = np.zeros(len(self.ms), bool)
+    self.weight, self.learn = weight, learn
+
+  def observe(self, index: int, seconds: float, rounds: int) -> None:
+    if not self.learn or rounds < 2:   # costs given by the user stay; a segment cut short says little
+      return
+    ms = 1e3 * seconds / rounds
+    self.ms[index] = ms if not self.timed[index] else (1 - self.weight) * self.ms[index] + self.weight * ms
+    self.timed[index] = True
 
 
 def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *, context: int = 0,

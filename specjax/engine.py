@@ -204,14 +204,15 @@ def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, d
     jax.block_until_ready(seg(*args(), jnp.int32(0)))                 # compile
     if rounds < 2 or not timed:
       continue
+    jax.block_until_ready(seg(*args(), jnp.int32(1)))                 # first launch of the round's kernels
     ms = []
-    for _ in range(2):
+    for _ in range(3):
       a = args()
       jax.block_until_ready(a)
       t0 = time.perf_counter()
       ran = int(seg(*a, jnp.int32(rounds))[4][3])     # waits for the segment
       ms.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
-    costs.append(min(ms))
+    costs.append(float(np.median(ms)))
   return np.asarray(costs, np.float32) if rounds >= 2 and timed else None
 
 
@@ -242,30 +243,46 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
       costs = adapt.remember_costs(cost_key, measured)
   n_max = np.asarray(dp["n_max"])
   caps = np.broadcast_to(n_max, (b,))               # device drafts fill the width (device_reach_min 0)
-  runs: list[list] = []   # [width, rounds asked, probe] per segment, in order
+  online = adapt.OnlineCosts(costs, learn=ac.costs is None)
+  runs: list[list] = []   # [width index, rounds asked, probe, launch time] per segment, in order
 
-  def launch(w, rounds):
+  def launch(wi, rounds):
     nonlocal state, dstate, stats, ast
+    t = time.perf_counter()
     state, dstate, stats, ast, probe = _adaptive_segment(
         params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(rounds),
-        cfg=cfg, drafter=drafter, rollback=rollback, width=w, reach_min=ac.device_reach_min, decay=ac.decay)
-    runs.append([w, rounds, probe])
+        cfg=cfg, drafter=drafter, rollback=rollback, width=widths[wi], reach_min=ac.device_reach_min,
+        decay=ac.decay)
+    runs.append([wi, rounds, probe, t])
 
   def choose(probe, segment: int):
     done, alpha, rates, _ = probe
     if segment % ac.explore_every == 0:
-      return widths[-1], ac.explore_rounds
+      return len(widths) - 1, ac.explore_rounds
     caps_ = adapt.longest_useful(alpha, n_max, ac.device_reach_min) if ac.device_reach_min > 0 else caps
-    return widths[adapt.choose_width_np(rates, caps_, ~done, widths, costs)], ac.segment_rounds
+    return adapt.choose_width_np(rates, caps_, ~done, widths, online.ms), ac.segment_rounds
 
-  launch(widths[-1], ac.explore_rounds)              # segment 0 explores every position
-  seen = jax.device_get(runs[0][2])                  # the one wait the pipeline cannot hide
+  def finished(run, t_prev: float):
+    """Wait for a segment; time it from when the device could start it (its launch, or the end of
+    the segment before it) to now."""
+    seen = jax.device_get(run[2])
+    t = time.perf_counter()
+    online.observe(run[0], t - max(run[3], t_prev), int(seen[3]))
+    run.append(1e3 * (t - max(run[3], t_prev)))
+    return seen, t
+
+  launch(len(widths) - 1, ac.explore_rounds)        # segment 0 explores every position
+  seen, t_done = finished(runs[0], 0.0)             # the one wait the pipeline cannot hide
   while not seen[0].all():
     launch(*choose(seen, len(runs)))                 # segment s + 1, from the probe of segment s - 1
-    seen = jax.device_get(runs[-2][2])               # wait for segment s (segment s + 1 keeps the device busy)
-  ran = jax.device_get([p[3] for _, _, p in runs])
+    if len(runs) >= 3:                               # wait for segment s (segment s + 1 keeps the device busy);
+      seen, t_done = finished(runs[-2], t_done)      # segment 2 is chosen from segment 0's probe, as is 1
+  ran = jax.device_get([r[2][3] for r in runs])
   record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
-            "segments": [[int(w), int(r)] for (w, _, _), r in zip(runs, ran) if r > 0]}   # [width, rounds run]
+            "measured_ms": (adapt._RAW[cost_key].tolist() if cost_key in adapt._RAW else None),
+            "learned_ms": [float(c) if t else None for c, t in zip(online.ms, online.timed)],
+            "segments": [[int(widths[r[0]]), int(n)] + ([round(r[4], 3)] if len(r) > 4 else [])
+                         for r, n in zip(runs, ran) if n > 0]}   # [width, rounds run, wall ms]
   return state, dstate, stats, record
 
 

@@ -89,9 +89,9 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   for d in drafters:
     res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
     assert res.tokens == plain, d.name
-    rec = res.stats.adaptive      # [width, rounds] runs: they add up to the rounds the loop ran
+    rec = res.stats.adaptive      # [width, rounds(, ms)] runs: they add up to the rounds the loop ran
     assert rec["widths"] == list(WIDTHS) and rec["costs_ms"] == pytest.approx(costs)
-    assert sum(n for _, n in rec["segments"]) == max(res.stats.per_seq_rounds), rec
+    assert sum(s[1] for s in rec["segments"]) == max(res.stats.per_seq_rounds), rec
     assert rec["segments"][0][0] == WIDTHS[-1], rec          # the first rounds explore the widest width
     if costs[1] >= 50:   # backs off; only the exploration segments verify drafts
       assert res.stats.gen_tokens <= 0.5 * res.stats.rounds * K, res.stats.format()
@@ -165,6 +165,23 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
+  rec = res.stats.adaptive   # the warm-up's raw timings, and the widest width timed again by the run itself
+  assert len(rec["measured_ms"]) == 4 and rec["costs_ms"] == pytest.approx(measured.tolist())
+  assert rec["learned_ms"][-1] is not None and rec["learned_ms"][-1] > 0, rec
+
+
+def test_online_costs_follow_the_run():
+  """A timed segment replaces its width's warm-up cost, later ones average in; segments of fewer
+  than two rounds and costs given by the user are left alone."""
+  oc = adapt.OnlineCosts([3.0, 3.0, 3.0])
+  oc.observe(2, 0.016, 4)                  # 4 ms per round
+  oc.observe(1, 0.010, 1)                  # too short to say
+  assert oc.ms.tolist() == pytest.approx([3.0, 3.0, 4.0]) and oc.timed.tolist() == [False, False, True]
+  oc.observe(2, 0.024, 4)                  # 6 ms: averaged with weight 0.5
+  assert oc.ms[2] == pytest.approx(5.0)
+  fixed = adapt.OnlineCosts([1.0, 2.0], learn=False)
+  fixed.observe(1, 1.0, 10)
+  assert fixed.ms.tolist() == [1.0, 2.0]
 
 
 def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):
