@@ -207,7 +207,7 @@ def _adaptive_summary(runs: list[dict]) -> dict:
   and the first batch's segments in order."""
   rounds: dict[int, int] = {}
   for r in runs:
-    for w, n in r["segments"]:
+    for w, n, *_ in r["segments"]:
       rounds[w] = rounds.get(w, 0) + n
   return {"widths": runs[-1]["widths"], "costs_ms": runs[-1]["costs_ms"],
           "rounds_at_width": {str(w): rounds.get(w, 0) for w in runs[-1]["widths"]},
