@@ -8,7 +8,7 @@ Two estimates, both exponentially decayed per round:
   likelihood: accepted tokens / (accepted tokens + rejections)). On the host loop a sequence drafts
   at most n_i* tokens, the longest draft whose last token is still reached with probability
   alpha_i^n >= `reach_min` (host drafting costs time per token). On the device loop every sequence
-  is verified at the batch's width anyway, so drafts fill it (`device_reach_min` = 0).
+  is verified at the batch's width anyway, so drafts fill it.
 - batch-wide, by draft position j, p_j = P(position j accepted | a draft through j was asked for):
   rounds where the drafter had no draft, or a shorter one, count as misses. This is what the width
   choice uses. A first version predicted the gain of width w from the geometric model
@@ -29,8 +29,8 @@ chosen width get no new evidence, so every `explore_every` segments (and first o
 segment of `explore_rounds` rounds runs at the widest width.
 
 The device loop runs in segments of `segment_rounds` rounds at one static width. The host picks
-each segment's width from the estimates of the segment before the one in flight (pipelined: the
-GPU never waits for the host's choice). A first version chose per round with a `lax.switch` over
+each segment's width from the round stats of the segments so far (`PositionRates`) and from round
+costs that each timed segment updates (`OnlineCosts`). A first version chose per round with a `lax.switch` over
 widths and ran 24% slower than fixed n_max 2 at batch 64 on an H200 with the same tau (suspected:
 copies of the KV cache through the conditional). The host loop chooses every round.
 
@@ -50,18 +50,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
-  decay: float = 0.8              # weight of the past in the running estimates (per round)
+  decay: float = 0.8              # weight of the past in the running estimates (per round; device loop: per segment)
   reach_min: float = 0.2          # host loop: draft while the last token is reached with at least this
                                   # probability (host drafting costs time per token)
-  device_reach_min: float = 0.0   # device loop: the same cap. 0: drafts fill the chosen width. In the
-                                  # batched device loop every sequence is verified at the width w anyway,
-                                  # so a shorter draft saves nothing and only loses the tokens that would
-                                  # have been accepted; the width choice is what follows acceptance.
   prior_alpha: float = 0.5        # starting per-token acceptance (weight `prior_weight` rounds)
   prior_weight: float = 2.0
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
-  segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment
+  segment_rounds: int = 32        # device loop: rounds per segment; the width is chosen per segment (each
+                                  # boundary is a host round trip: at batch 64 on an H100, 8-round segments
+                                  # ran 12% slower than fixed n_max 8 at the same width, one segment 4%)
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
                                   # the first segment, then one every `explore_every` segments
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
@@ -154,6 +152,34 @@ def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> Adapti
   return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32),
                        pos_hits=pos_hits.astype(xp.float32),
                        pos_asked=pos_asked.astype(xp.float32))
+
+
+class PositionRates:
+  """The device loop's batch-wide acceptance by draft position, on the host, from the round
+  stats: after a segment at width w, position j (< w) was asked of every live sequence-round and
+  accepted in as many as the stats' accepted-through-position count grew. Decayed per segment by
+  `decay`; positions the segment did not reach keep their estimate."""
+
+  def __init__(self, k: int, ac: "AdaptiveConfig"):
+    self.hits = ac.prior_weight * ac.prior_alpha ** np.arange(1, k + 1, dtype=np.float64)
+    self.asked = np.full(k, ac.prior_weight, np.float64)
+    self.decay = ac.decay
+    self._hits_total = np.zeros(k, np.int64)   # the stats' running totals at the last observation
+    self._seq_rounds = 0
+
+  def observe(self, width: int, hits_total, seq_rounds_total: int) -> None:
+    hits_total = np.asarray(hits_total, np.int64)
+    d_hits, d_rounds = hits_total - self._hits_total, seq_rounds_total - self._seq_rounds
+    self._hits_total, self._seq_rounds = hits_total, seq_rounds_total
+    if d_rounds <= 0:
+      return
+    seen = np.arange(len(self.hits)) < width
+    self.hits = np.where(seen, self.decay * self.hits + d_hits, self.hits)
+    self.asked = np.where(seen, self.decay * self.asked + d_rounds, self.asked)
+
+  @property
+  def rates(self) -> np.ndarray:
+    return np.minimum.accumulate(np.clip(self.hits / np.maximum(self.asked, 1e-9), 0.0, 1.0))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,148 +141,129 @@ def _pad_to(x, width: int):
   return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, width, reach_min,
-                    decay, carry):
-  """One round at verification width `width` (static): each sequence drafts min(width, n_i*)
-  tokens, n_i* from its running acceptance (`specjax.adaptive`)."""
-  state, dstate, stats, ast, i = carry
+def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, width, carry):
+  """One round at verification width `width` (static): every live sequence drafts up to `width`
+  tokens (in the batched loop a shorter draft would save no verification work). No estimator runs
+  on the device: the host reads acceptance by position from the round stats after each segment (a
+  first version updated per-sequence estimates every round and ran 4-7% slower than the fixed loop
+  at the same width on an H100)."""
+  state, dstate, stats, i = carry
   k = drafter.max_draft
-  live = ~state.done
-  n_seq = jnp.where(live, jnp.minimum(width, adapt.longest_useful(ast.alpha, dp["n_max"], reach_min)), 0)
   ctx = DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
-                     target_len=state.cache.lengths, n_max=n_seq, p_min=dp["p_min"],
-                     temperature=sampling.temperature)
+                     target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, jnp.minimum(dp["n_max"], width)),
+                     p_min=dp["p_min"], temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
-  draft = Draft(tokens=draft.tokens[:, :width], lengths=jnp.minimum(draft.lengths, width),
-                q=None if draft.q is None else draft.q[:, :width])
+  if width < k:
+    draft = Draft(tokens=draft.tokens[:, :width], lengths=jnp.minimum(draft.lengths, width),
+                  q=None if draft.q is None else draft.q[:, :width])
   state, n_acc, nxt, dlen, verified, tapped, live, n_out = verify_and_accept(
       params, cfg, state, draft, dp, sampling, stop_ids, max_new, taps=drafter.taps, rollback=rollback)
   stats = stats.update(dlen, n_acc, live, n_out)
-  ast = adapt.update(ast, n_seq, dlen, n_acc, live, decay)
   result = RoundResult(n_accepted=n_acc, next_token=nxt, verified=_pad_to(verified, k + 1),
                        prenorm=_pad_to(tapped["prenorm"], k + 1),
                        layer_taps=tuple(_pad_to(h, k + 1) for h in tapped["layers"]), live=live)
   dstate = drafter.commit(dparams, dstate, result)
-  return state, dstate, stats, ast, i + 1
+  return state, dstate, stats, i + 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "width", "reach_min", "decay"),
-                   donate_argnames=("state", "dstate"))
-def _adaptive_segment(params, dparams, state, dstate, stats, ast, sampling, dp, stop_ids, max_new, rounds, *, cfg,
-                      drafter, rollback, width, reach_min, decay):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "width"), donate_argnames=("state", "dstate"))
+def _adaptive_segment(params, dparams, state, dstate, stats, sampling, dp, stop_ids, max_new, rounds, *, cfg,
+                      drafter, rollback, width):
   """Up to `rounds` rounds at one static verification width, in one while_loop. The host picks
-  each segment's width from the running estimates (a width per segment, not a `lax.switch` per
-  round: that version was 24% slower on an H200, suspected copies of the KV cache through the
-  conditional). `rounds` is traced, so a zero-round call compiles the same program (`warm`).
-  Returns, beside the carried state, a probe for the host (fresh buffers, readable after `state`
-  is donated to the next segment): done [B], alpha [B], position rates [K], rounds run."""
+  each segment's width (a width per segment, not a `lax.switch` per round: that version was 24%
+  slower on an H200, suspected copies of the KV cache through the conditional). `rounds` is traced,
+  so a zero-round call compiles the same program (`warm`). Returns, beside the carried state, a
+  probe for the host: done [B], rounds run, accepted-through-position counts [K], live
+  sequence-rounds so far."""
   body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
-                           rollback, width, reach_min, decay)
-  state, dstate, stats, ast, ran = jax.lax.while_loop(
-      lambda c: ~jnp.all(c[0].done) & (c[4] < rounds), body, (state, dstate, stats, ast, jnp.int32(0)))
-  probe = (state.done.copy(), ast.alpha, ast.position_rates, ran)
-  return state, dstate, stats, ast, probe
+                           rollback, width)
+  state, dstate, stats, ran = jax.lax.while_loop(
+      lambda c: ~jnp.all(c[0].done) & (c[3] < rounds), body, (state, dstate, stats, jnp.int32(0)))
+  probe = (state.done.copy(), ran, stats.accepted_by_pos.copy(), jnp.sum(stats.rounds))
+  return state, dstate, stats, probe
 
 
-def _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, *, cfg, drafter, rollback,
+def _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, *, cfg, drafter, rollback,
                          ac, widths, timed=True) -> np.ndarray | None:
   """[len(widths)] ms per round of whole segments at each width (drafting, the [B, w+1] verify
   forward, acceptance, commit), timed on copies of the live state with the budget lifted so no
-  sequence stops early; None when the cache has no room for a few rounds (or `timed` is off:
-  then it only compiles every width)."""
+  sequence stops early: one untimed pass over every width first (compiles, and the first launch of
+  every kernel), then three interleaved timed passes, median per width (timed one width after the
+  other, the first one measured ran slowest on an H100). None when the cache has no room for a few
+  rounds (or `timed` is off: then it only compiles every width)."""
   copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
   k, b = drafter.max_draft, state.last.shape[0]
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
              int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
-  rounds = min(ac.segment_rounds, 8, max(room, 0) // (k + 1))   # 2 x 8 rounds per width: a few ms on a GPU
+  rounds = min(ac.segment_rounds, 8, max(room, 0) // (k + 1))   # 3 x 8 rounds per width: a few ms on a GPU
   budget = jnp.full((b,), rounds * (k + 1) + 1, jnp.int32)
-  costs = []
-  for w in widths:
-    seg = functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w,
-                            reach_min=ac.device_reach_min, decay=ac.decay)
-    args = lambda: (params, dparams, copy(state), copy(dstate), stats, ast, sampling, dp, stop, budget)
-    jax.block_until_ready(seg(*args(), jnp.int32(0)))                 # compile
-    if rounds < 2 or not timed:
-      continue
-    jax.block_until_ready(seg(*args(), jnp.int32(1)))                 # first launch of the round's kernels
-    ms = []
-    for _ in range(3):
+  segs = [functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w) for w in widths]
+  args = lambda: (params, dparams, copy(state), copy(dstate), stats, sampling, dp, stop, budget)
+  for seg in segs:
+    jax.block_until_ready(seg(*args(), jnp.int32(min(rounds, 1) if timed else 0)))   # compile (+ first launch)
+  if rounds < 2 or not timed:
+    return None
+  ms = [[] for _ in widths]
+  for _ in range(3):
+    for i, seg in enumerate(segs):
       a = args()
       jax.block_until_ready(a)
       t0 = time.perf_counter()
-      ran = int(seg(*a, jnp.int32(rounds))[4][3])     # waits for the segment
-      ms.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
-    costs.append(float(np.median(ms)))
-  return np.asarray(costs, np.float32) if rounds >= 2 and timed else None
+      ran = int(seg(*a, jnp.int32(rounds))[3][1])     # waits for the segment
+      ms[i].append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
+  return np.asarray([np.median(m) for m in ms], np.float32)
 
 
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
                    warm=False, cost_key=None):
-  """Segments of rounds, each at the width the host picks from the running estimates; the first
-  (and every `ac.explore_every`-th) a short one at the widest width, which refreshes the estimate
-  of every draft position. Pipelined: segment s + 1 is enqueued (its width chosen from the probe
-  of segment s - 1) before the host waits for segment s, so the device never idles on the host;
-  once every sequence is done, the one segment already enqueued runs no round.
+  """Segments of rounds, each at the width the host picks from acceptance by position (read from
+  the round stats) and round costs; the first (and every `ac.explore_every`-th) a short one at the
+  widest width, which refreshes the estimate of every draft position. Each segment is timed (the
+  host waits for it: on an H100 a launch did not return before the previous segment finished, so
+  enqueueing ahead hid nothing and only blurred the timings) and its ms per round updates its
+  width's cost (`adapt.OnlineCosts`).
 
   Once per shape (`cost_key`) it compiles the segment of every width and times whole rounds at
   each (`_measure_round_costs`), which replace the forward-only calibration; `warm` (a benchmark's
   untimed warm-up passes it) compiles every width too, so a later timed run never compiles
   (without it, on an H200 at batch 64, widths a short warm-up never chose compiled inside the
   timed run: 0.035x of plain decoding). Returns the state, the drafter state, the round stats and
-  a record of the run (costs, widths, rounds run at each)."""
+  a record of the run (costs, widths, [width, rounds, ms] per segment)."""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
-  stats, ast = RoundStats.zeros(b, k), adapt.AdaptiveState.init(b, k, ac)
+  stats = RoundStats.zeros(b, k)
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt._MEASURED
   if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
-    measured = _measure_round_costs(params, dparams, state, dstate, stats, ast, sampling, dp, stop, cfg=cfg,
+    measured = _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, cfg=cfg,
                                     drafter=drafter, rollback=rollback, ac=ac, widths=widths, timed=measure)
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
-  n_max = np.asarray(dp["n_max"])
-  caps = np.broadcast_to(n_max, (b,))               # device drafts fill the width (device_reach_min 0)
+  caps = np.broadcast_to(np.asarray(dp["n_max"]), (b,))
   online = adapt.OnlineCosts(costs, learn=ac.costs is None)
-  runs: list[list] = []   # [width index, rounds asked, probe, launch time] per segment, in order
-
-  def launch(wi, rounds):
-    nonlocal state, dstate, stats, ast
-    t = time.perf_counter()
-    state, dstate, stats, ast, probe = _adaptive_segment(
-        params, dparams, state, dstate, stats, ast, sampling, dp, stop, max_new, jnp.int32(rounds),
-        cfg=cfg, drafter=drafter, rollback=rollback, width=widths[wi], reach_min=ac.device_reach_min,
-        decay=ac.decay)
-    runs.append([wi, rounds, probe, t])
-
-  def choose(probe, segment: int):
-    done, alpha, rates, _ = probe
-    if segment % ac.explore_every == 0:
-      return len(widths) - 1, ac.explore_rounds
-    caps_ = adapt.longest_useful(alpha, n_max, ac.device_reach_min) if ac.device_reach_min > 0 else caps
-    return adapt.choose_width_np(rates, caps_, ~done, widths, online.ms), ac.segment_rounds
-
-  def finished(run, t_prev: float):
-    """Wait for a segment; time it from when the device could start it (its launch, or the end of
-    the segment before it) to now."""
-    seen = jax.device_get(run[2])
-    t = time.perf_counter()
-    online.observe(run[0], t - max(run[3], t_prev), int(seen[3]))
-    run.append(1e3 * (t - max(run[3], t_prev)))
-    return seen, t
-
-  launch(len(widths) - 1, ac.explore_rounds)        # segment 0 explores every position
-  seen, t_done = finished(runs[0], 0.0)             # the one wait the pipeline cannot hide
-  while not seen[0].all():
-    launch(*choose(seen, len(runs)))                 # segment s + 1, from the probe of segment s - 1
-    if len(runs) >= 3:                               # wait for segment s (segment s + 1 keeps the device busy);
-      seen, t_done = finished(runs[-2], t_done)      # segment 2 is chosen from segment 0's probe, as is 1
-  ran = jax.device_get([r[2][3] for r in runs])
+  rates = adapt.PositionRates(k, ac)
+  segments: list[list] = []      # [width, rounds run, ms]
+  done = np.zeros(b, bool)
+  while not done.all():
+    s = len(segments)
+    if s % ac.explore_every == 0:
+      wi, rounds = len(widths) - 1, ac.explore_rounds
+    else:
+      wi, rounds = adapt.choose_width_np(rates.rates, caps, ~done, widths, online.ms), ac.segment_rounds
+    t0 = time.perf_counter()
+    state, dstate, stats, probe = _adaptive_segment(
+        params, dparams, state, dstate, stats, sampling, dp, stop, max_new, jnp.int32(rounds),
+        cfg=cfg, drafter=drafter, rollback=rollback, width=widths[wi])
+    done, ran, hits, seq_rounds = jax.device_get(probe)
+    seconds = time.perf_counter() - t0
+    online.observe(wi, seconds, int(ran))
+    rates.observe(widths[wi], hits, int(seq_rounds))
+    segments.append([int(widths[wi]), int(ran), round(1e3 * seconds, 3)])
   record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
             "measured_ms": (adapt._RAW[cost_key].tolist() if cost_key in adapt._RAW else None),
             "learned_ms": [float(c) if t else None for c, t in zip(online.ms, online.timed)],
-            "segments": [[int(widths[r[0]]), int(n)] + ([round(r[4], 3)] if len(r) > 4 else [])
-                         for r, n in zip(runs, ran) if n > 0]}   # [width, rounds run, wall ms]
+            "segments": [sg for sg in segments if sg[1] > 0]}
   return state, dstate, stats, record
 
 

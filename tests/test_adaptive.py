@@ -199,4 +199,17 @@ def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):
   assert st.acceptance_rate < 0.5, st.format()
   assert st.gen_tokens == K * st.rounds, st.format()
   n = np.asarray(adapt.longest_useful(np.asarray([0.2, 0.9]), np.full(2, K), ac.reach_min))
-  assert n[0] < n[1] == K and adapt.longest_useful(np.asarray([0.2]), np.full(1, K), ac.device_reach_min)[0] == K
+  assert n[0] < n[1] == K
+
+
+def test_position_rates_read_from_round_stats():
+  """The device loop's estimator: after a segment at width w, positions below w were asked of
+  every live sequence-round and accepted as often as the stats' accepted-through-position totals
+  grew; positions beyond w keep their estimate; rates never increase with position."""
+  pr = adapt.PositionRates(4, adapt.AdaptiveConfig(prior_weight=0.0, decay=1.0))
+  pr.observe(4, [6, 3, 1, 0], 10)             # 10 sequence-rounds at width 4
+  assert pr.rates.tolist() == pytest.approx([0.6, 0.3, 0.1, 0.0])
+  pr.observe(2, [14, 7, 1, 0], 20)            # 10 more at width 2: 8 and 4 more accepted
+  assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
+  pr.observe(2, [14, 7, 1, 0], 20)            # a segment that ran no round changes nothing
+  assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
