@@ -10,7 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
+
+# Tests that call `specjax.cli.main` in-process would switch JAX's persistent compilation cache on
+# for every later test of the session (the CLI enables it); with it on, compiling the Pallas
+# interpret-mode tests after them crashed the process (jax 0.10.2, CPU). The cache's own tests run
+# it in subprocesses (tests/test_compile_cache.py).
+os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 
 import jax
 import jax.numpy as jnp
