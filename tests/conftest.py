@@ -14,9 +14,8 @@ import os
 from typing import Any
 
 # Tests that call `specjax.cli.main` in-process would switch JAX's persistent compilation cache on
-# for every later test of the session (the CLI enables it); with it on, compiling the Pallas
-# interpret-mode tests after them crashed the process (jax 0.10.2, CPU). The cache's own tests run
-# it in subprocesses (tests/test_compile_cache.py).
+# for every later test of the session (the CLI enables it) and write to the user's cache folder.
+# The cache's own tests run it in subprocesses (tests/test_compile_cache.py).
 os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 
 import jax
@@ -26,6 +25,16 @@ import pytest
 
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drop every compiled program after each test module. The whole suite in one process kept
+  thousands of CPU executables alive, and two full runs then crashed (segmentation fault) inside
+  XLA's compiler in tests/test_verify_attention.py, which passes alone."""
+  yield
+  jax.clear_caches()
+
 
 # ----------------------------------------------------------------------------------------------
 # jitted helpers shared by the test modules
