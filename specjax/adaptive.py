@@ -87,31 +87,16 @@ def _xp(x):
 class AdaptiveState:
   accepted: jax.Array   # [B] f32 decayed accepted draft tokens
   trials: jax.Array     # [B] f32 decayed accepted tokens + rejections
-  pos_hits: jax.Array   # [K] f32 decayed count (over the batch) of drafts accepted through position j
-  pos_asked: jax.Array  # [K] f32 decayed count of live sequences asked for a draft through position j
 
   @staticmethod
-  def init(batch: int, k: int, ac: AdaptiveConfig, xp=jnp) -> "AdaptiveState":
+  def init(batch: int, ac: AdaptiveConfig, xp=jnp) -> "AdaptiveState":
     full = lambda v: xp.full((batch,), v, xp.float32)
-    prior = ac.prior_weight * ac.prior_alpha ** xp.arange(1, k + 1, dtype=xp.float32)
-    return AdaptiveState(accepted=full(ac.prior_alpha * ac.prior_weight), trials=full(ac.prior_weight),
-                         pos_hits=prior.astype(xp.float32),
-                         pos_asked=xp.full((k,), ac.prior_weight, xp.float32))
+    return AdaptiveState(accepted=full(ac.prior_alpha * ac.prior_weight), trials=full(ac.prior_weight))
 
   @property
   def alpha(self) -> jax.Array:
     xp = _xp(self.accepted)
     return xp.clip(self.accepted / xp.maximum(self.trials, 1e-6), 0.0, 0.999)
-
-  @property
-  def position_rates(self) -> jax.Array:
-    """[K] p_j = P(position j accepted | asked); non-increasing in j (accepting j means accepting
-    every position before it; stale estimates of unexplored positions could say otherwise)."""
-    xp = _xp(self.pos_hits)
-    p = xp.clip(self.pos_hits / xp.maximum(self.pos_asked, 1e-6), 0.0, 1.0)
-    if xp is np:
-      return np.minimum.accumulate(p)
-    return jax.lax.cummin(p)
 
 
 def longest_useful(alpha, n_max, reach_min: float):
@@ -137,28 +122,21 @@ def choose_width_np(rates, caps, live, widths: tuple[int, ...], costs) -> int:
   return int(np.argmax(expected_gain(rates, caps, live, widths) / np.asarray(costs, np.float64)))
 
 
-def update(ast: AdaptiveState, asked, dlen, n_acc, live, decay: float) -> AdaptiveState:
-  """After a round: asked [B] requested draft lengths, dlen [B] verified lengths, n_acc [B]."""
+def update(ast: AdaptiveState, dlen, n_acc, live, decay: float) -> AdaptiveState:
+  """After a round: dlen [B] verified draft lengths, n_acc [B] accepted, live [B]."""
   xp = _xp(ast.accepted)
   drafted = live & (dlen > 0)
   acc = xp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
   trials = xp.where(drafted, decay * ast.trials + n_acc + (n_acc < dlen), ast.trials)
-  pos = xp.arange(ast.pos_hits.shape[0])[None, :]                                        # [1, K]
-  asked_j = xp.sum((live[:, None] & (asked[:, None] > pos)).astype(xp.float32), axis=0)   # [K]
-  hits_j = xp.sum((live[:, None] & (n_acc[:, None] > pos)).astype(xp.float32), axis=0)   # [K]
-  seen = asked_j > 0                                  # positions nobody was asked for keep their estimate
-  pos_asked = xp.where(seen, decay * ast.pos_asked + asked_j, ast.pos_asked)
-  pos_hits = xp.where(seen, decay * ast.pos_hits + hits_j, ast.pos_hits)
-  return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32),
-                       pos_hits=pos_hits.astype(xp.float32),
-                       pos_asked=pos_asked.astype(xp.float32))
+  return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32))
 
 
 class PositionRates:
-  """The device loop's batch-wide acceptance by draft position, on the host, from the round
-  stats: after a segment at width w, position j (< w) was asked of every live sequence-round and
-  accepted in as many as the stats' accepted-through-position count grew. Decayed per segment by
-  `decay`; positions the segment did not reach keep their estimate."""
+  """Batch-wide acceptance by draft position, p_j = P(position j accepted | a draft through j was
+  asked for), decayed per observation; positions nobody was asked for keep their estimate. The
+  host loop feeds it every round (`observe_round`), the device loop once per segment from the round
+  stats' running totals (`observe_totals`: position j < w was asked of every live sequence-round of
+  a segment at width w, and accepted as often as the accepted-through-position count grew)."""
 
   def __init__(self, k: int, ac: "AdaptiveConfig"):
     self.hits = ac.prior_weight * ac.prior_alpha ** np.arange(1, k + 1, dtype=np.float64)
@@ -167,18 +145,31 @@ class PositionRates:
     self._hits_total = np.zeros(k, np.int64)   # the stats' running totals at the last observation
     self._seq_rounds = 0
 
-  def observe(self, width: int, hits_total, seq_rounds_total: int) -> None:
+  def add(self, hits, asked) -> None:
+    """hits [K], asked [K]: new counts of drafts accepted through / asked for through position j."""
+    hits, asked = np.asarray(hits, np.float64), np.asarray(asked, np.float64)
+    seen = asked > 0
+    self.hits = np.where(seen, self.decay * self.hits + hits, self.hits)
+    self.asked = np.where(seen, self.decay * self.asked + asked, self.asked)
+
+  def observe_round(self, asked, n_acc, live) -> None:
+    """One host-loop round: asked [B] requested draft lengths, n_acc [B] accepted, live [B]."""
+    pos = np.arange(len(self.hits))[None, :]
+    live = np.asarray(live)[:, None]
+    self.add(np.sum(live & (np.asarray(n_acc)[:, None] > pos), axis=0),
+             np.sum(live & (np.asarray(asked)[:, None] > pos), axis=0))
+
+  def observe_totals(self, width: int, hits_total, seq_rounds_total: int) -> None:
+    """One device-loop segment at `width`, from the round stats' running totals."""
     hits_total = np.asarray(hits_total, np.int64)
     d_hits, d_rounds = hits_total - self._hits_total, seq_rounds_total - self._seq_rounds
     self._hits_total, self._seq_rounds = hits_total, seq_rounds_total
-    if d_rounds <= 0:
-      return
-    seen = np.arange(len(self.hits)) < width
-    self.hits = np.where(seen, self.decay * self.hits + d_hits, self.hits)
-    self.asked = np.where(seen, self.decay * self.asked + d_rounds, self.asked)
+    self.add(d_hits, d_rounds * (np.arange(len(self.hits)) < width))
 
   @property
   def rates(self) -> np.ndarray:
+    """[K], non-increasing in j (accepting j means accepting every position before it; stale
+    estimates of unexplored positions could say otherwise)."""
     return np.minimum.accumulate(np.clip(self.hits / np.maximum(self.asked, 1e-9), 0.0, 1.0))
 
 
@@ -194,10 +185,8 @@ def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) ->
   return (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
 
 
-_MEASURED: set = set()    # shapes whose cached costs are timed whole rounds, not the forward-only calibration
-
-
-_RAW: dict = {}           # the timed round costs of a shape as measured, before `remember_costs` orders them
+_RAW: dict = {}           # shapes whose costs are timed whole rounds: the timings as measured, before
+                          # `remember_costs` orders them
 
 
 def remember_costs(key: tuple, costs) -> np.ndarray:
@@ -206,7 +195,6 @@ def remember_costs(key: tuple, costs) -> np.ndarray:
   _RAW[key] = np.asarray(costs, np.float32)
   out = np.maximum.accumulate(np.maximum(np.asarray(costs, np.float32), 1e-3))
   _COSTS[key] = out
-  _MEASURED.add(key)
   return out
 
 
@@ -278,7 +266,8 @@ class HostController:
 
   def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray):
     self.ac, self.widths, self.costs = ac, ac.widths_for(k), np.asarray(costs, np.float64)
-    self.state = AdaptiveState.init(batch, k, ac, np)
+    self.state = AdaptiveState.init(batch, ac, np)
+    self.rates = PositionRates(k, ac)
     self.asked = np.zeros(batch, np.int64)
     self.round = 0
     self.chosen: list[int] = []        # the width of every round
@@ -288,14 +277,15 @@ class HostController:
     if self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
       w = self.widths[-1]
     else:
-      w = self.widths[choose_width_np(self.state.position_rates, caps, live, self.widths, self.costs)]
+      w = self.widths[choose_width_np(self.rates.rates, caps, live, self.widths, self.costs)]
     self.round += 1
     self.chosen.append(int(w))
     self.asked = np.where(live, np.minimum(w, caps), 0)
     return self.asked
 
   def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
-    self.state = update(self.state, self.asked, dlen, n_acc, live, self.ac.decay)
+    self.state = update(self.state, dlen, n_acc, live, self.ac.decay)
+    self.rates.observe_round(self.asked, n_acc, live)
 
   def record(self) -> dict:
     """What the controller did: the widths, their costs, and [width, rounds] runs in order (the

@@ -49,7 +49,7 @@ def test_controller_follows_acceptance_and_cost():
   host = adapt.HostController(ac, 2, K, flat)
   host.state = dataclasses.replace(host.state, accepted=np.asarray([0.9, 0.3]) * 50, trials=np.full(2, 50.0))
   assert host.lengths(caps, live).tolist() == n.tolist()            # exploration round: the widest width
-  host.state = dataclasses.replace(host.state, pos_hits=np.asarray([1.0, 0.0, 0.0, 0.0]), pos_asked=np.ones(K))
+  host.rates.hits, host.rates.asked = np.asarray([1.0, 0.0, 0.0, 0.0]), np.ones(K)
   host.costs = mild
   assert host.lengths(caps, live).tolist() == [2, min(2, n[1])]     # then the width the estimates choose
   assert host.record()["segments"] == [[4, 1], [2, 1]]
@@ -60,19 +60,25 @@ def test_update_estimates_acceptance_per_token_and_per_position():
   way (accepted / (accepted + rejections)); the batch-wide position rates count, per position, the
   live sequences accepted through it over those asked for it, a missing draft counting as a miss;
   positions nobody was asked for keep their estimate."""
-  init = adapt.AdaptiveState.init(2, K, adapt.AdaptiveConfig(prior_weight=0.0))
-  ast = dataclasses.replace(init, accepted=jnp.zeros(2), trials=jnp.zeros(2))
-  live = jnp.asarray([True, False])
-  ast = adapt.update(ast, jnp.asarray([4, 4]), jnp.asarray([4, 4]), jnp.asarray([3, 4]), live, decay=1.0)
+  ac = adapt.AdaptiveConfig(prior_weight=0.0, decay=1.0)
+  ast = dataclasses.replace(adapt.AdaptiveState.init(2, ac), accepted=jnp.zeros(2), trials=jnp.zeros(2))
+  rates = adapt.PositionRates(K, ac)
+
+  def round_(asked, dlen, n_acc, live):
+    rates.observe_round(np.asarray(asked), np.asarray(n_acc), np.asarray(live))
+    return adapt.update(ast, jnp.asarray(dlen), jnp.asarray(n_acc), jnp.asarray(live), decay=1.0)
+
+  live = [True, False]
+  ast = round_([4, 4], [4, 4], [3, 4], live)
   assert float(ast.alpha[0]) == pytest.approx(3 / 4)
-  ast = adapt.update(ast, jnp.asarray([4, 4]), jnp.asarray([4, 4]), jnp.asarray([0, 4]), live, decay=1.0)
+  ast = round_([4, 4], [4, 4], [0, 4], live)
   assert float(ast.alpha[0]) == pytest.approx(3 / 5)
-  assert np.asarray(ast.position_rates).tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
-  live = jnp.asarray([True, True])
-  ast = adapt.update(ast, jnp.asarray([2, 2]), jnp.asarray([0, 2]), jnp.asarray([0, 2]), live, decay=1.0)
+  assert rates.rates.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
+  live = [True, True]
+  ast = round_([2, 2], [0, 2], [0, 2], live)
   assert float(ast.alpha[0]) == pytest.approx(3 / 5)                # no draft: no evidence about alpha
-  assert np.asarray(ast.pos_asked).tolist() == [4, 4, 2, 2]
-  assert np.asarray(ast.position_rates).tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
+  assert rates.asked.tolist() == [4, 4, 2, 2]
+  assert rates.rates.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
 
 
 @pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.6, 2.2), (1.0, 50.0, 100.0)],
@@ -158,7 +164,7 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
   key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K))
   adapt._COSTS.pop(key, None)
-  adapt._MEASURED.discard(key)
+  adapt._RAW.pop(key, None)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
   assert measured.shape == (4,) and np.all(measured > 0) and np.all(np.diff(measured) >= 0)
@@ -207,9 +213,9 @@ def test_position_rates_read_from_round_stats():
   every live sequence-round and accepted as often as the stats' accepted-through-position totals
   grew; positions beyond w keep their estimate; rates never increase with position."""
   pr = adapt.PositionRates(4, adapt.AdaptiveConfig(prior_weight=0.0, decay=1.0))
-  pr.observe(4, [6, 3, 1, 0], 10)             # 10 sequence-rounds at width 4
+  pr.observe_totals(4, [6, 3, 1, 0], 10)             # 10 sequence-rounds at width 4
   assert pr.rates.tolist() == pytest.approx([0.6, 0.3, 0.1, 0.0])
-  pr.observe(2, [14, 7, 1, 0], 20)            # 10 more at width 2: 8 and 4 more accepted
+  pr.observe_totals(2, [14, 7, 1, 0], 20)      # 10 more at width 2: 8 and 4 more accepted
   assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
-  pr.observe(2, [14, 7, 1, 0], 20)            # a segment that ran no round changes nothing
+  pr.observe_totals(2, [14, 7, 1, 0], 20)      # a segment that ran no round changes nothing
   assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
