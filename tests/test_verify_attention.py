@@ -228,7 +228,7 @@ def test_kernel_that_fails_to_compile_falls_back_once(impl, monkeypatch, caplog)
   """Under auto on a 'GPU' whose compiler rejects the kernel (here: the CPU backend, which only
   runs Pallas in interpret mode), the reference is used and one warning is logged."""
   impl("auto")
-  monkeypatch.setattr(va, "_on_gpu", lambda: True)
+  monkeypatch.setattr(va.dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(va.SWITCH, "probed", {})
   monkeypatch.setattr(va.SWITCH, "warned", set())
   q, k, v, ragged = random_case(2, 3, 4, 2, 16, 24, jnp.float32, tree=False, seed=5)
@@ -264,7 +264,7 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
   """Under auto on a GPU the first trace of a shape checks the kernel eagerly (here inside a
   jitted while_loop, as in the engine), records success, and the traced call uses the kernel."""
   impl("auto")
-  monkeypatch.setattr(va, "_on_gpu", lambda: True)
+  monkeypatch.setattr(va.dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(va.SWITCH, "probed", {})
   calls = []
 

@@ -270,8 +270,7 @@ def choose(p_shape, p_dtype, has_q: bool) -> tuple[str, Tiling | None]:
   if impl == "pallas":
     return impl, tiling
   key = (b, k1 - 1, v, jnp.dtype(p_dtype).name, has_q, tiling)
-  if SWITCH.auto_kernel and dispatch.on_gpu() and SWITCH.kernel_works(
-      key, functools.partial(_probe, b, k1 - 1, v, p_dtype, has_q, tiling), log):
+  if SWITCH.auto_serves(key, functools.partial(_probe, b, k1 - 1, v, p_dtype, has_q, tiling), log):
     return "pallas", tiling
   return "xla", None
 

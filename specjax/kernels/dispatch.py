@@ -63,6 +63,11 @@ class KernelSwitch:
       self.warned.add(key)
       logger.warning(msg)
 
+  def auto_serves(self, key, probe: Callable[[], tuple[bool, str]], logger: logging.Logger = log) -> bool:
+    """Under auto: the kernel serves only on a GPU, only if `auto_kernel` is on, and only once its
+    probe for `key` agreed with the reference (`kernel_works`)."""
+    return self.auto_kernel and on_gpu() and self.kernel_works(key, probe, logger)
+
   def kernel_works(self, key, probe: Callable[[], tuple[bool, str]], logger: logging.Logger = log) -> bool:
     """Run `probe` () -> (kernel agrees with the reference, what was compared) once per `key`.
     False, with one warning, if it disagrees or raises (a lowering / compile failure)."""

@@ -287,16 +287,6 @@ def _probe(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> tuple[bool, str]:
   return err <= tol, f"max abs difference {err:.3g}"
 
 
-def _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling: Tiling) -> bool:
-  """Compile the kernel for these shapes and compare it with the reference, once per shape."""
-  key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)
-  return SWITCH.kernel_works(key, functools.partial(_probe, b, t, h, kvh, d, s_cap, dtype, tiling), log)
-
-
-def _on_gpu() -> bool:
-  return dispatch.on_gpu()
-
-
 def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Tiling | None]:
   """("pallas", tiling) or ("xla", None) for these shapes under the current setting."""
   if ragged is None:
@@ -312,7 +302,8 @@ def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Til
   if impl == "pallas":
     return "pallas", tiling
   wanted = t > 1 or os.environ.get(DECODE_ENV, "0") == "1"
-  if _on_gpu() and wanted and _kernel_works(b, t, h, kvh, d, s_cap, dtype, tiling):
+  key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)   # compiled and compared once per shape
+  if wanted and SWITCH.auto_serves(key, functools.partial(_probe, b, t, h, kvh, d, s_cap, dtype, tiling), log):
     return "pallas", tiling
   return "xla", None
 
@@ -325,4 +316,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: 
   if impl == "xla":
     return attend_reference(q, k, v, mask, scale)
   return pallas_verify_attention(q, k, v, ragged, scale, tiling=tiling,
-                                 interpret=not _on_gpu())
+                                 interpret=not dispatch.on_gpu())
