@@ -68,6 +68,22 @@ def previous_tiling(b, t, h, kvh, d, cap) -> va.Tiling:
   return dataclasses.replace(tl, block_k=block_k, n_splits=n_splits)
 
 
+def candidate_tilings(tl: va.Tiling, batch: int, kvh: int, cap: int) -> list[va.Tiling]:
+  """Other split plans for the same shape (blocks of 64 / 128 slots, programs over the committed
+  slots for about a half, one or two per SM, or at least 2 / 4 blocks per split), to time beside
+  the current rule (`--split-candidates`)."""
+  per_split = batch * kvh * (tl.rows // tl.block_m)
+  sm = va.dispatch.sm_count()
+  plans = set()
+  for block_k in (64, 128):
+    n_blocks = -(-cap // block_k)
+    for want in (-(-sm // (2 * per_split)), -(-sm // per_split), -(-2 * sm // per_split),
+                 n_blocks // 2, n_blocks // 4):
+      plans.add((block_k, max(1, min(want, n_blocks, va.MAX_SPLITS))))
+  return [dataclasses.replace(tl, block_k=bk, n_splits=ns) for bk, ns in sorted(plans)
+          if (bk, ns) != (tl.block_k, tl.n_splits)]
+
+
 def looped(attn, iters: int):
   """jit: (first call's output, q after `iters` dependent calls). attn(q, k, v, mask, ragged)."""
   def run(q, k, v, mask, ragged):
@@ -116,6 +132,13 @@ def micro(args, budget_s: float) -> list[dict]:
                                                                             interpret=interpret), args.iters)
           row["pallas_previous_splits_ms"] = time_call(ker_old, (q, k, v, mask, ragged), args.repeats, args.iters)
           row["previous_tiling"] = dataclasses.asdict(old)
+        if args.split_candidates:
+          row["candidates"] = []
+          for cand in candidate_tilings(tiling, batch, kvh, cap):
+            ker_c = looped(lambda q, k, v, m, r, c=cand: va.pallas_verify_attention(q, k, v, r, scale, tiling=c,
+                                                                                   interpret=interpret), args.iters)
+            row["candidates"].append({"block_k": cand.block_k, "n_splits": cand.n_splits,
+                                      "ms": time_call(ker_c, (q, k, v, mask, ragged), args.repeats, args.iters)})
       except Exception as e:  # noqa: BLE001 - record and go on: one failing shape must not lose the rest
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
       rows.append(row)
@@ -259,6 +282,8 @@ def main(argv=None):
   ap.add_argument("--skip-e2e", action="store_true")
   ap.add_argument("--skip-micro", action="store_true")
   ap.add_argument("--previous-splits", action="store_true", help="also time the split rule before the batch-1 change")
+  ap.add_argument("--split-candidates", action="store_true",
+                  help="also time other split plans (block_k 64/128, several split counts) per shape")
   ap.add_argument("--tag", default="", help="file name part: verify_attention_<tag>_<card>.json")
   args = ap.parse_args(argv)
   out_dir = Path(args.out)
