@@ -1,12 +1,14 @@
 """DFlash: the drafter's shapes and file format, the feature window (ring writes, trim, context shift)
 against a reference, the window following accepted tokens across rounds past its bound, training's
-batched blocks equal to drafting, p_min / n_max cuts, greedy losslessness (batch 1 and 3) and the
-exact token law under sampling with the `dflash` speculator."""
+batched blocks equal to drafting, the engine's rounds replayed from training's blocks, held-out
+evaluation prompts left out of the training rows, p_min / n_max cuts, greedy losslessness (batch 1
+and 3) and the exact token law under sampling with the `dflash` speculator."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +18,16 @@ import pytest
 from conftest import TINY_LLAMA
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
-from specjax.drafters.dflash import (DFlashConfig, DFlashDrafter, init_dflash, load_dflash, make_dflash_drafter,
-                                     save_dflash, spread_taps)
+from specjax.drafters.dflash import (DFlashConfig, DFlashDrafter, concat_taps, init_dflash, load_dflash,
+                                     make_dflash_drafter, save_dflash, spread_taps)
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
-from specjax.models.decoder import forward
+from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel
 from specjax.state import KVCache
-from specjax.train.dflash import LossConfig, anchor_blocks, make_loss_fn
+from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dataset
+from specjax.train.dflash import HeldOut, LossConfig, anchor_blocks, make_loss_fn, without_held_out
 from specjax.train.loop import TrainConfig, train
 from token_law import COLD_TEMPERATURE, N_GREEDY, STAT_PROMPT, check_token_law, decoder_law, mixed_sampling
 
@@ -258,6 +261,80 @@ def test_training_blocks_draft_what_the_drafter_drafts(tiny_llama, trained):
   assert np.asarray(draft.tokens).tolist() == logits.argmax(-1).tolist()
   assert len(set(want)) >= 4, want
   np.testing.assert_array_equal(np.asarray(draft.q).max(-1), 1.0)                   # greedy q: one-hot
+
+
+def test_engine_rounds_replay_from_training_blocks(tiny_llama, trained):
+  """The engine's acceptance is what the training forward predicts: greedy `speculative_generate`
+  over three ragged prompts (32 new tokens, contexts past the 8-position window, rounds with partial
+  acceptance) runs, per sequence, exactly the rounds replayed from training's teacher-forced blocks
+  (`anchor_blocks` at every position of plain decoding's output: a round at anchor a accepts the
+  longest prefix of block slots whose argmax is the next plain token, then moves to a + n + 1), and
+  accepts exactly as many drafts at every draft position."""
+  cfg, params = tiny_llama
+  d = _drafter(cfg, params, trained)
+  spec = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW)
+  longer = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW + K + 1).tokens   # every block's labels
+  rounds, accepted = [], np.zeros(K, np.int64)
+  for p, gen in zip(PROMPTS3, longer):
+    row = np.asarray(p + gen, np.int32)
+    toks = jnp.asarray(np.pad(row, (0, 2 * W - len(row)))[None])                    # one width: one compilation
+    taps = _taps(params, cfg, toks, jnp.asarray([len(row)], jnp.int32), DC.taps)
+    anchors = np.arange(len(p), len(p) + MAX_NEW)                                   # every position `last` can take
+    h = _jit_blocks(trained, params, cfg, DC, toks, concat_taps(taps["layers"]), jnp.asarray(anchors[None]))
+    pred = np.asarray(jnp.argmax(logits_from_prenorm(params, cfg, h[0, :, 1:]), -1))   # [A, K]
+    hit = pred == row[anchors[:, None] + np.arange(1, K + 1)[None, :]]
+    n_rounds, emitted, a = 0, 1, len(p)                                              # the prefill emitted one token
+    while emitted < MAX_NEW:
+      n = int(np.cumprod(hit[a - len(p)]).sum())
+      accepted[:n] += 1
+      emitted, a, n_rounds = emitted + n + 1, a + n + 1, n_rounds + 1
+    rounds.append(n_rounds)
+  st = spec.stats
+  assert spec.tokens == [g[:MAX_NEW] for g in longer]
+  assert list(st.per_seq_rounds) == rounds, (st.per_seq_rounds, rounds)
+  assert list(st.accepted_by_pos) == accepted.tolist(), (st.accepted_by_pos, accepted)
+  assert 0 < accepted[0] < sum(rounds), "need both accepted and rejected first drafts"
+
+
+def test_held_out_prompts_leave_the_training_rows(tiny_llama, tmp_path):
+  """A dataset built from 12 prompts (greedy answers and reference answers) with the first 5 of the
+  prompt file held out: exactly the rows of those prompts (known from the builder's shuffled order)
+  are dropped, and a whole epoch of training batches holds every other row once and no held-out row."""
+  cfg, params = tiny_llama
+
+  class ToyTokenizer:   # a 'chat template' [1, ..., 15] over the 16-token vocabulary
+    eos_ids = (0,)
+
+    def encode(self, text, add_bos=None, add_eos=None):
+      return [2 + (ord(c) * 7) % 13 for c in text]
+
+    def encode_chat(self, messages):
+      return [1] + self.encode(messages[-1]["content"]) + [15]
+
+  target = LoadedModel(name="tiny", cfg=cfg, params=params, tokenizer=ToyTokenizer(), source="tiny-llama")
+  texts = ["abcdefghijkl"[:n] for n in range(1, 13)]                               # distinct token prompts
+  prompts = tmp_path / "toy_questions.jsonl"
+  prompts.write_text("".join(json.dumps({"question_id": i, "category": "toy", "turns": [t], "reference": [t[::-1]]})
+                             + "\n" for i, t in enumerate(texts)))
+  base = dict(sources=(SourceConfig(str(prompts)),), n_sequences=8, max_prompt_len=14, max_new_tokens=6,
+              batch_size=4, temperature=0.0, store_taps=False, seed=0)
+  dirs = [tmp_path / "greedy", tmp_path / "ref"]
+  build_dataset(target, DataConfig(dir=str(dirs[0]), **base), progress=False)
+  build_dataset(target, DataConfig(dir=str(dirs[1]), responses="reference", **{**base, "seed": 3}), progress=False)
+  full = ShardDataset(dirs)
+  ds, n_dropped = without_held_out(full, target, [HeldOut(str(prompts), 5)])
+  in_data = [np.random.default_rng(seed).permutation(12)[:8] for seed in (0, 3)]  # the builder's prompt order
+  want_dropped = sum(int(np.sum(order < 5)) for order in in_data)
+  assert 0 < n_dropped == want_dropped == len(full) - len(ds), (n_dropped, want_dropped)
+  held = {tuple(ToyTokenizer().encode_chat([{"content": t}])) for t in texts[:5]}
+  row_key = lambda toks, plen: tuple(toks[:plen].tolist())
+  epoch = [ds.batch(s, 3, seed=1, with_taps=False) for s in range(-(-len(ds) // 3))]
+  seen = [row_key(t, pl) for b in epoch for t, pl in zip(b["tokens"], b["prompt_lens"])][:len(ds)]
+  kept = [row_key(full.arrays["tokens"][r], full.arrays["prompt_lens"][r]) for r in range(len(full))]
+  kept = [k for k in kept if k not in held]
+  assert sorted(seen) == sorted(kept) and not held & set(seen)
+  assert ds.n_response_tokens == sum(int(full.arrays["lens"][r] - full.arrays["prompt_lens"][r]) for r in range(len(full))
+                                     if row_key(full.arrays["tokens"][r], full.arrays["prompt_lens"][r]) not in held)
 
 
 # ----------------------------------------------------------------------------------------------

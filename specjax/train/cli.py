@@ -217,14 +217,14 @@ def cmd_eval_dflash(args) -> int:
     methods["mtp n3"] = ("mtp", args.mtp_head, 3, {})
   if args.eagle3_head:
     methods["eagle3 n5"] = ("eagle3", args.eagle3_head, 5, {})
-  sets = args.prompts.split(",")
-  widest = max(len(p) for name in sets for p in first_turns(target, name, args.n_questions)[1])
+  sets = [(name, int(n) if n else args.n_questions) for name, _, n in (x.partition(":") for x in args.prompts.split(","))]
+  widest = max(len(p) for name, n in sets for p in first_turns(target, name, n)[1])
   cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + max(m[2] for m in methods.values()) + 2, 64)
   out = {"config": args.config, "spec": dataclasses.asdict(spec), "target": spec.target, "dtype": spec.dtype,
          "results": [], "git_revision": git_revision(), "device": device_info()}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  for name in sets:   # written after each prompt set: a run cut short keeps what it finished
-    out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=args.n_questions,
+  for name, n in sets:   # written after each prompt set: a run cut short keeps what it finished
+    out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=n,
                                    temperatures=tuple(float(x) for x in args.temperatures.split(",")),
                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
                                    progress=not args.quiet))
@@ -252,8 +252,9 @@ def add_dflash_commands(tsub, common) -> None:
   e = tsub.add_parser("eval-dflash", help="tau, acceptance by position and tokens/s of a DFlash drafter vs plain")
   common(e)
   e.add_argument("--head", default=None, help="drafter file (default: the config's export)")
-  e.add_argument("--prompts", default="mt_bench,humaneval", help="prompt sets (first turns)")
-  e.add_argument("--n-questions", type=int, default=16, help="first N questions of each")
+  e.add_argument("--prompts", default="mt_bench,humaneval",
+                 help="prompt sets (first turns), each optionally with its own count: mt_bench:24,humaneval:16")
+  e.add_argument("--n-questions", type=int, default=16, help="first N questions of each (without a count)")
   e.add_argument("--n-max", default="15", help="comma-separated drafts per pass (<= block_size - 1)")
   e.add_argument("--temperatures", default="0,0.7")
   e.add_argument("--max-new-tokens", type=int, default=128)

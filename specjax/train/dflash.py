@@ -19,6 +19,7 @@ import functools
 import json
 import time
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,14 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldOut:
+  """The first `first` prompts of prompt set `name`: rows answering them are left out of training
+  (evaluation prompts that a shared dataset holds, e.g. HumanEval 1-16)."""
+  name: str
+  first: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DFlashTrainSpec:
   name: str
   target: str = "smollm2-135m-instruct"
@@ -70,6 +79,7 @@ class DFlashTrainSpec:
   loss: LossConfig = LossConfig()
   train: TrainConfig = TrainConfig()
   train_seconds: float | None = None  # stop (and decay the schedule) to fit this much training time
+  held_out: tuple[HeldOut, ...] = ()  # evaluation prompts whose rows are dropped from the datasets
 
 
 def load_spec(path: str | Path, **overrides) -> DFlashTrainSpec:
@@ -226,6 +236,51 @@ def train_within(loss_fn, params, frozen, get_batch, tc: TrainConfig, out_dir, *
                progress=progress)
 
 
+def held_out_mask(tokens: np.ndarray, prompt_lens: np.ndarray, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+  """[n] bool: rows whose prompt (tokens[:prompt_len]) is exactly one of `prompts` (token lists)."""
+  held = {tuple(int(t) for t in p) for p in prompts}
+  return np.asarray([tuple(tokens[r, :prompt_lens[r]].tolist()) in held for r in range(len(tokens))], bool)
+
+
+class RowSubset:
+  """The rows `keep` of a ShardDataset, batched the same way (epoch-wise permutations)."""
+
+  def __init__(self, ds, keep: np.ndarray):
+    self.ds, self.keep = ds, np.asarray(keep, np.int64)
+
+  def __len__(self) -> int:
+    return len(self.keep)
+
+  @property
+  def width(self) -> int:
+    return self.ds.width
+
+  @property
+  def n_response_tokens(self) -> int:
+    a = self.ds.arrays
+    return int((a["lens"][self.keep] - a["prompt_lens"][self.keep]).sum())
+
+  def rows(self, idx, with_taps: bool = True):
+    return self.ds.rows(self.keep[np.asarray(idx)], with_taps=with_taps)
+
+  def batch(self, step: int, batch_size: int, seed: int = 0, with_taps: bool = True, max_len: int | None = None):
+    from specjax.train.data import ShardDataset
+    return ShardDataset.batch(self, step, batch_size, seed=seed, with_taps=with_taps, max_len=max_len)
+
+
+def without_held_out(ds, target, held_out: Sequence[HeldOut]):
+  """(the rows of `ds` that answer none of the held-out prompts (chat-encoded as the data builder
+  encodes them), number of rows dropped)."""
+  if not held_out:
+    return ds, 0
+  from specjax.bench.prompts import load_prompt_set
+  tok = target.tokenizer
+  prompts = [tok.encode_chat([{"role": "user", "content": q.turns[0]}])
+             for h in held_out for q in load_prompt_set(h.name, limit=h.first)]
+  drop = held_out_mask(ds.arrays["tokens"], ds.arrays["prompt_lens"], prompts)
+  return RowSubset(ds, np.flatnonzero(~drop)), int(drop.sum())
+
+
 def _tree_size(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
 
@@ -242,13 +297,14 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
   cfg = target.cfg
   dc = spec.drafter.resolve(cfg)
   dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
-  ds = ShardDataset(dirs)
+  ds, n_held = without_held_out(ShardDataset(dirs), target, spec.held_out)
   dparams = init_dflash(cfg, dc, seed=spec.train.seed, dtype=jnp.float32, target_params=target.params)
   loss_fn = make_loss_fn(cfg, dc, spec.loss, dtype)
   bs = spec.loss.batch_size
   get_batch = lambda step: ds.batch(step, bs, seed=spec.train.seed, with_taps=False, max_len=spec.loss.max_len)
   if progress:
-    print(f"[train dflash] {len(ds)} rows, {ds.n_response_tokens} response tokens; drafter {dc} of "
+    print(f"[train dflash] {len(ds)} rows ({n_held} held out), {ds.n_response_tokens} response tokens; "
+          f"drafter {dc} of "
           f"{_tree_size(dparams) / 1e6:.2f}M params; up to {spec.train.steps} steps of {bs} rows x "
           f"{spec.loss.anchors_per_row} blocks ({spec.dtype})", flush=True)
   if not resume:   # start over: old checkpoints would be resumed from by the timed chunks
@@ -264,7 +320,8 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
              "seconds_this_run": round(time.perf_counter() - t0, 1),
              "resumed_from": res.resumed_from, "drafter": dataclasses.asdict(dc),
              "params": _tree_size(dparams),
-             "dataset": {"dirs": dirs, "rows": len(ds), "response_tokens": ds.n_response_tokens},
+             "dataset": {"dirs": dirs, "rows": len(ds), "held_out_rows": n_held,
+                         "response_tokens": ds.n_response_tokens},
              "config": dataclasses.asdict(spec), "git_revision": git_revision(), "device": device_info(),
              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
   if spec.export:

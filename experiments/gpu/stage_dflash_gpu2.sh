@@ -1,0 +1,34 @@
+# Issue 9, second DFlash drafter (configs/dflash_smollm2_gpu2.yaml): restores the Magpie data folders
+# of stage_mtp2_data.sh from /root/persist/mtp2_data.tar (seeded from .gpucarry/persist/ on a fresh
+# machine), trains for the config's train_seconds (400 s, compilation included) on them without
+# building anything (--no-data), exports the drafter (bf16, 13.9 MB). ~8 minutes on an H100/H200,
+# the training capped at DF_TIMEOUT (510 s). The drafter goes to /root/persist/dflash_gpu2 (read by
+# stage_dflash_gpu2_eval.sh); into $OUT: the drafter, metrics.jsonl, training curve, summary, log.
+#   bash experiments/gpu/stage_dflash_gpu2.sh
+#   SMOKE=1 bash experiments/gpu/stage_dflash_gpu2.sh   # CPU-sized (configs/dflash_smollm2_gpu2_smoke.yaml),
+#                                                      # after SMOKE=1 bash experiments/gpu/stage_mtp2_data.sh
+source experiments/gpu/stage_mtp2_common.sh
+if [ "${SMOKE:-0}" = 1 ]; then DF=configs/dflash_smollm2_gpu2_smoke.yaml; else DF=configs/dflash_smollm2_gpu2.yaml; fi
+read -r DF_OUTDIR DF_EXPORT <<<"$(python3 -c "
+from specjax.train.dflash import load_spec
+s = load_spec('$DF')
+print(s.out_dir, s.export)")"
+{
+  echo "[dflash gpu2] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
+  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[dflash gpu2] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first (or carry it in .gpucarry/persist/)"; exit 1; }
+  [ -f "$PERSIST/mtp2_data.complete" ] || echo "[dflash gpu2] warning: $PERSIST/mtp2_data.complete missing: the data build may be partial"
+  tar xf "$PERSIST/mtp2_data.tar"
+  t0=$(date +%s)
+  set +e
+  timeout "${DF_TIMEOUT:-510}" python3 -m specjax.cli train dflash --config "$DF" --no-data --no-resume 2>&1 | bars
+  echo "[dflash gpu2] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  set -e
+  if [ -f "$DF_EXPORT" ]; then
+    mkdir -p "$PERSIST/dflash_gpu2" && cp "${DF_EXPORT%.safetensors}".* "$PERSIST/dflash_gpu2/" && cp "${DF_EXPORT%.safetensors}".* "$OUT/"
+  else
+    echo "[dflash gpu2] no drafter exported"
+  fi
+  for f in metrics.jsonl training_curve.png; do [ -f "$DF_OUTDIR/$f" ] && cp "$DF_OUTDIR/$f" "$OUT/dflash_$f"; done
+  [ -f "$DF_OUTDIR/summary.json" ] && cp "$DF_OUTDIR/summary.json" "$OUT/dflash_gpu2_train_summary.json"
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/stage_dflash_gpu2.log"
