@@ -244,13 +244,13 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   online = adapt.OnlineCosts(costs, learn=ac.costs is None)
   rates = adapt.PositionRates(k, ac)
   segments: list[list] = []      # [width, rounds run, ms]
-  done = np.zeros(b, bool)
+  done = np.asarray(state.done)  # waits for the prefill, which would otherwise be timed with the first segment
   while not done.all():
     s = len(segments)
     if s % ac.explore_every == 0:
       wi, rounds = len(widths) - 1, ac.explore_rounds
     else:
-      wi, rounds = adapt.choose_width_np(rates.rates, caps, ~done, widths, online.ms), ac.segment_rounds
+      wi, rounds = adapt.choose_width_np(rates.optimistic(ac.optimism), caps, ~done, widths, online.ms), ac.segment_rounds
     t0 = time.perf_counter()
     state, dstate, stats, probe = _adaptive_segment(
         params, dparams, state, dstate, stats, sampling, dp, stop, max_new, jnp.int32(rounds),

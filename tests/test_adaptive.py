@@ -45,7 +45,7 @@ def test_controller_follows_acceptance_and_cost():
   assert adapt.expected_gain(short, np.asarray([4, 1]), live, WIDTHS).tolist() == pytest.approx([2.0, 3.7, 3.8])
   n = np.asarray(adapt.longest_useful(jnp.asarray([0.9, 0.3]), jnp.full(2, K), 0.2))
   assert n[0] == 4 and 0 < n[1] < n[0], n
-  ac = adapt.AdaptiveConfig(widths=WIDTHS, explore_rounds=1)
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, explore_rounds=1, optimism=0.0)   # optimism: its own test
   host = adapt.HostController(ac, 2, K, flat)
   host.state = dataclasses.replace(host.state, accepted=np.asarray([0.9, 0.3]) * 50, trials=np.full(2, 50.0))
   assert host.lengths(caps, live).tolist() == n.tolist()            # exploration round: the widest width
@@ -219,3 +219,23 @@ def test_position_rates_read_from_round_stats():
   assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
   pr.observe_totals(2, [14, 7, 1, 0], 20)      # a segment that ran no round changes nothing
   assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
+
+
+def test_width_choice_is_optimistic_about_rarely_seen_positions():
+  """The width choice reads acceptance plus optimism / sqrt(observations): one sequence's first 4
+  rounds with no accepted draft (an n-gram drafter before the answer repeats anything) leave the
+  wide width the better bet when a round at width 4 costs 1.5x one at width 0, while the same
+  rate from 64 sequences x 4 rounds backs off to plain decoding. Costs as timed are kept as they
+  are, also where width 0 costs more than wider widths (T = 1 on another attention path)."""
+  ac = adapt.AdaptiveConfig(decay=1.0)
+  costs = np.asarray([1.0, 1.3, 1.5])
+  for batch, want in ((1, 4), (64, 0)):
+    pr = adapt.PositionRates(K, ac)
+    pr.observe_totals(4, [0, 0, 0, 0], 4 * batch)
+    live = np.ones(batch, bool)
+    got = WIDTHS[adapt.choose_width_np(pr.optimistic(ac.optimism), np.full(batch, K), live, WIDTHS, costs)]
+    assert got == want, (batch, pr.optimistic(ac.optimism))
+    assert WIDTHS[adapt.choose_width_np(pr.rates, np.full(batch, K), live, WIDTHS, costs)] == 0
+  timed = adapt.remember_costs(("test-key",), [3.2, 1.7, 2.4])
+  assert timed.tolist() == pytest.approx([3.2, 1.7, 2.4])
+  adapt._RAW.pop(("test-key",)), adapt._COSTS.pop(("test-key",))
