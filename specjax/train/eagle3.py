@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle3 import (Eagle3Config, build_d2t, head_module, init_head, save_head, t2d_mask)
+from specjax.drafters.eagle3 import (Eagle3Config, build_d2t, head_module, init_head, load_head, save_head,
+                                     t2d_mask)
 from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
 from specjax.models.layers import NEG_INF, attend
 from specjax.state import KVCache
@@ -46,6 +47,8 @@ class Eagle3HeadConfig:
   ffn_dim: int | None = None         # the head layer's MLP width (default: the target's)
   tap_layers: tuple[int, ...] | None = None   # target layer outputs fused as low/mid/high (default: EAGLE-3's)
   init_lm_head: str = "target"       # "target": final norm + LM head start as the target's rows; "random"
+  init_from: str | None = None       # start from this trained head file instead (its draft vocabulary and
+                                     # shape must be the ones above); skipped with a note if it is missing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +70,15 @@ class Eagle3TrainSpec:
   out_dir: str = "out/eagle3"        # checkpoints, metrics.jsonl, d2t.npy, summary.json
   export: str | None = None          # where the trained head goes (safetensors + json)
   time_budget_s: float | None = None # cap train.steps so training takes about this long (measured)
+  wall_budget_s: float | None = None # the whole run (load, data, compilation, training, export, scoring)
+                                     # in about this long: training gets what is left (END_RESERVE_S kept)
+  data_budget_s: float | None = None # datasets still to generate are built in order while the next one
+                                     # is predicted to fit (the last generated one's time); the rest are
+                                     # left out of training
   data: DataConfig = DataConfig(store_taps=False)
   extra_data: tuple[DataConfig, ...] = ()
+  heldout_data: tuple[DataConfig, ...] = ()   # built first, never trained on: the trained head is
+                                     # scored on them and on as many training rows (over-fitting)
   head: Eagle3HeadConfig = Eagle3HeadConfig()
   loss: Eagle3LossConfig = Eagle3LossConfig()
   train: TrainConfig = TrainConfig()
@@ -84,6 +94,9 @@ def load_spec(path: str | Path, **overrides) -> Eagle3TrainSpec:
     raise ConfigError(f"{path.name}: head.init_lm_head must be 'target' or 'random'")
   if spec.loss.n_steps < 1:
     raise ConfigError(f"{path.name}: loss.n_steps must be >= 1")
+  trained = {dc.dir for dc in (spec.data,) + spec.extra_data}
+  if any(dc.dir in trained for dc in spec.heldout_data):
+    raise ConfigError(f"{path.name}: a heldout_data dir is also trained on")
   return spec
 
 
@@ -193,9 +206,14 @@ def _tree_size(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
 
 
-def _measured_steps(loss_fn, tc: TrainConfig, hp, frozen, get_batch, budget_s: float, progress: bool) -> int:
-  """Steps that fit `budget_s` seconds of training: the jitted step (the one `train` will reuse) is
-  compiled and timed on copies of the parameters."""
+END_RESERVE_S = 30.0   # a wall budget keeps this for the export, the held-out scoring (its compilation) and the plot
+
+
+def _measured_steps(loss_fn, tc: TrainConfig, hp, frozen, get_batch, budget_s: float | None, progress: bool,
+                    deadline: float | None = None) -> int:
+  """Steps that fit `budget_s` seconds of training and end by `deadline` (perf_counter seconds) less
+  END_RESERVE_S: the jitted step (the one `train` will reuse) is compiled and timed on copies of the
+  parameters."""
   from specjax.train.loop import make_train_step
   opt, step_fn = make_train_step(loss_fn, tc)
   batch = {k: jnp.asarray(v) for k, v in get_batch(0).items()}
@@ -211,11 +229,75 @@ def _measured_steps(loss_fn, tc: TrainConfig, hp, frozen, get_batch, budget_s: f
     params, state, m = step_fn(params, state, frozen, batch, jnp.int32(i), jnp.float32(0.0), jnp.uint32(0))
   jax.block_until_ready(m["loss"])
   per_step = (time.perf_counter() - t0) / 3
+  if deadline is not None:
+    left = deadline - END_RESERVE_S - time.perf_counter()
+    budget_s = left if budget_s is None else min(budget_s, left)
   steps = max(1, min(tc.steps, int(budget_s / per_step)))
   if progress:
     print(f"[train eagle3] step compiled in {compile_s:.1f} s, {per_step * 1e3:.1f} ms/step: {steps} steps fit "
           f"{budget_s:.0f} s", flush=True)
   return steps
+
+
+def build_within(target, dcs, budget_s: float | None, *, progress: bool, dtype_name: str,
+                 forced=()) -> tuple[list, dict]:
+  """Build the datasets `forced` (always), then `dcs` in order (resumable: complete ones cost
+  nothing). With `budget_s` (counting `forced` too), a dataset of `dcs` that still needs generating
+  is started only while the last generated one's time fits in what is left; the ones not started
+  are left out (one with shards from an earlier run is kept).
+  -> (the datasets of `dcs` to train on, {dir: seconds or "skipped"})."""
+  from specjax.train.data import build_dataset
+  t0, last, used, log = time.perf_counter(), 0.0, [], {}
+  for i, dc in enumerate(tuple(forced) + tuple(dcs)):
+    left = None if budget_s is None or i < len(forced) else budget_s - (time.perf_counter() - t0)
+    complete = _complete(dc)
+    if left is not None and last > left and not complete:
+      log[dc.dir] = "skipped"
+      if (Path(dc.dir) / "manifest.json").exists() and _rows(dc):
+        used.append(dc)
+      continue
+    t1 = time.perf_counter()
+    build_dataset(target, dc, progress=progress, dtype_name=dtype_name)
+    took = time.perf_counter() - t1
+    log[dc.dir] = round(took, 1)
+    if not complete:  # generated something (a complete dataset is only checked)
+      last = took
+    if i >= len(forced):
+      used.append(dc)
+  return used, log
+
+
+def _rows(dc: DataConfig) -> int:
+  man = Path(dc.dir) / "manifest.json"
+  return sum(sh["rows"] for sh in json.loads(man.read_text())["shards"]) if man.exists() else 0
+
+
+def _complete(dc: DataConfig) -> bool:
+  """All shards of `dc` are there (prompt sets may run out before n_sequences: then the build says)."""
+  man = Path(dc.dir) / "manifest.json"
+  return man.exists() and len(json.loads(man.read_text())["shards"]) >= -(-dc.n_sequences // dc.batch_size)
+
+
+def score_rows(loss_fn, hp, frozen, ds, idx, batch_size: int) -> dict:
+  """The loss function's metrics over rows `idx` of `ds` (whole rows, no window), batch means
+  weighted by their in-vocabulary answer tokens; the last batch padded with empty rows."""
+  fn = jax.jit(loss_fn)
+  tot, weight, tokens = {}, 0.0, 0.0
+  for i in range(0, len(idx), batch_size):
+    rows = ds.rows(np.asarray(idx[i:i + batch_size]), with_taps=False)
+    pad = batch_size - len(rows["lens"])
+    if pad:
+      rows = {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)]) for k, v in rows.items()}
+      rows["lens"][-pad:] = 1     # no position to score
+    _, m = fn(hp, frozen, {k: jnp.asarray(v) for k, v in rows.items()}, jax.random.key(0))
+    m = {k: float(v) for k, v in m.items()}
+    w = m["tokens"] * m["in_vocab"]
+    for k, v in m.items():
+      if k.startswith(("acc_", "loss_")):
+        tot[k] = tot.get(k, 0.0) + w * v
+    weight, tokens = weight + w, tokens + m["tokens"]
+  out = {k: round(v / max(weight, 1.0), 4) for k, v in sorted(tot.items())}
+  return {**out, "rows": int(len(idx)), "tokens": int(tokens), "in_vocab": round(weight / max(tokens, 1.0), 4)}
 
 
 def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool = True, target=None,
@@ -224,23 +306,34 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
   summary (also `out_dir/summary.json`)."""
   from specjax.bench.env import device_info, git_revision
   from specjax.models.load import load_model
-  from specjax.train.data import ShardDataset, build_dataset
+  from specjax.train.data import ShardDataset
   from specjax.train.loop import plot_metrics, train
 
   t_start = time.perf_counter()
+  deadline = t_start + spec.wall_budget_s if spec.wall_budget_s else None
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
   cfg = target.cfg
-  dcs = (spec.data,) + spec.extra_data
+  dcs, built = (spec.data,) + spec.extra_data, {}
   if build_data:
-    for dc in dcs:
-      build_dataset(target, dc, progress=progress, dtype_name=spec.dtype)
+    dcs, built = build_within(target, dcs, spec.data_budget_s, progress=progress, dtype_name=spec.dtype,
+                              forced=spec.heldout_data)
   data_s = time.perf_counter() - t_start
   ds = ShardDataset([dc.dir for dc in dcs])
   out = Path(spec.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   d2t_path = out / "d2t.npy"
-  if resume and d2t_path.exists():   # the checkpoints were trained with this vocabulary
+  start = spec.head.init_from if spec.head.init_from and Path(spec.head.init_from).exists() else None
+  if spec.head.init_from and start is None and progress:
+    print(f"[train eagle3] no head at {spec.head.init_from}: starting from scratch", flush=True)
+  if start:
+    hp0, d2t, hc0, _ = load_head(start, cfg, dtype=jnp.float32)
+    want = Eagle3Config.make(cfg, len(d2t), spec.head.ffn_dim, spec.head.tap_layers)
+    if hc0 != want or len(d2t) != min(spec.head.draft_vocab, cfg.vocab_size):
+      raise ValueError(f"head.init_from {start}: draft vocabulary {len(d2t)}, ffn {hc0.ffn_dim}, taps "
+                       f"{hc0.tap_layers} differ from the config's head section")
+    np.save(d2t_path, d2t)
+  elif resume and d2t_path.exists():   # the checkpoints were trained with this vocabulary
     d2t = np.load(d2t_path)
   else:
     a = ds.arrays
@@ -249,8 +342,11 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
                     min(spec.head.draft_vocab, cfg.vocab_size), always=eos)
     np.save(d2t_path, d2t)
   hc = Eagle3Config.make(cfg, len(d2t), spec.head.ffn_dim, spec.head.tap_layers)
-  hp = init_head(hc, seed=spec.train.seed, dtype=jnp.float32, d2t=d2t,
-                 target_params=target.params if spec.head.init_lm_head == "target" else None)
+  if start:
+    hp = hp0
+  else:
+    hp = init_head(hc, seed=spec.train.seed, dtype=jnp.float32, d2t=d2t,
+                   target_params=target.params if spec.head.init_lm_head == "target" else None)
   frozen = {"target": target.params, "d2t": jnp.asarray(d2t, jnp.int32)}
   loss_fn = make_loss_fn(hc, spec.loss, dtype)
   bs = spec.loss.batch_size
@@ -259,9 +355,9 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
   plan_path = out / "plan.json"
   if resume and plan_path.exists():
     tc = dataclasses.replace(tc, steps=json.loads(plan_path.read_text())["steps"])
-  elif spec.time_budget_s:
+  elif spec.time_budget_s or deadline:
     tc = dataclasses.replace(tc, steps=_measured_steps(loss_fn, tc, hp, frozen, get_batch, spec.time_budget_s,
-                                                       progress))
+                                                       progress, deadline))
   plan_path.write_text(json.dumps({"steps": tc.steps}) + "\n")
   if progress:
     print(f"[train eagle3] {len(ds)} rows, {ds.n_response_tokens} response tokens; draft vocabulary {len(d2t)}; "
@@ -272,12 +368,29 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
              "final_metrics": res.metrics, "seconds_this_run": round(res.seconds, 1),
              "data_seconds": round(data_s, 1), "resumed_from": res.resumed_from,
-             "dataset": {"dirs": [dc.dir for dc in dcs], "rows": len(ds), "response_tokens": ds.n_response_tokens},
-             "draft_vocab": len(d2t), "head_params": _tree_size(hp), "config": dataclasses.asdict(spec),
+             "dataset": {"dirs": [dc.dir for dc in dcs], "rows": len(ds), "response_tokens": ds.n_response_tokens,
+                         "build_seconds": built},
+             "draft_vocab": len(d2t), "head_params": _tree_size(hp), "init_from": start,
+             "config": dataclasses.asdict(spec),
              "git_revision": git_revision(), "device": device_info(), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
   if spec.export and res.step == tc.steps:
     w, c = save_head(spec.export, res.params, d2t, hc, extra={"training": summary})
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
+  if spec.heldout_data and res.step == tc.steps:   # after the export: the same metrics on unseen rows and on
+    # as many training rows (the head file's JSON does not carry them; summary.json does)
+    held = ShardDataset([dc.dir for dc in spec.heldout_data])
+    n = len(held)
+    seen = np.random.default_rng(spec.train.seed).permutation(len(ds))[:n]
+    t0 = time.perf_counter()
+    summary["heldout"] = {"dirs": [dc.dir for dc in spec.heldout_data],
+                          "heldout_rows": score_rows(loss_fn, res.params, frozen, held, np.arange(n), bs),
+                          "training_rows": score_rows(loss_fn, res.params, frozen, ds, seen, bs)}
+    summary["heldout"]["seconds"] = round(time.perf_counter() - t0, 1)
+    if progress:
+      for k in ("heldout_rows", "training_rows"):
+        m = summary["heldout"][k]
+        print(f"[train eagle3] {k}: acc {[m[f'acc_{j}'] for j in range(spec.loss.n_steps)]}, "
+              f"{m['rows']} rows, in vocabulary {m['in_vocab']}", flush=True)
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
   if res.step == tc.steps and res.metrics:
     plot_metrics(out / "metrics.jsonl", out / "training_curve.png",

@@ -1,0 +1,39 @@
+# Issue 8, third EAGLE-3 head (configs/eagle3_smollm2_gpu3.yaml): restores the second MTP head's data
+# folders from /root/persist/mtp2_data.tar (stage_mtp2_data.sh; carry it in .gpucarry/persist/ on a
+# fresh machine), starts from the second EAGLE-3 head (assets/eagle3_smollm2_gpu2, carried, or
+# /root/persist/eagle3_gpu2), generates a held-out Magpie folder and new Magpie folders while
+# data_budget_s (170 s) allows, trains for what is left of wall_budget_s (490 s), scores the head on
+# held-out and training rows, exports. One call, capped at E3_TIMEOUT (545 s; ~9 minutes with the
+# setup). The head goes to /root/persist/eagle3_gpu3 (for stage_eagle3_gpu3_eval.sh); into $OUT: the
+# head (bf16, ~15.3 MiB) and its JSON, metrics.jsonl, the training curve, the summary, the log.
+#   bash experiments/gpu/stage_eagle3_gpu3.sh
+#   SMOKE=1 bash experiments/gpu/stage_eagle3_gpu3.sh   # CPU-sized (configs/eagle3_smollm2_gpu3_smoke.yaml)
+source experiments/gpu/stage_mtp2_common.sh
+if [ "${SMOKE:-0}" = 1 ]; then E3=configs/eagle3_smollm2_gpu3_smoke.yaml; else E3=configs/eagle3_smollm2_gpu3.yaml; fi
+read -r E3_OUTDIR E3_EXPORT E3_INIT <<<"$(python3 -c "
+from specjax.train.eagle3 import load_spec
+s = load_spec('$E3')
+print(s.out_dir, s.export, s.head.init_from)")"
+{
+  echo "[eagle3 gpu3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
+  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[eagle3 gpu3] no $PERSIST/mtp2_data.tar: carry it in .gpucarry/persist/"; exit 1; }
+  tar xf "$PERSIST/mtp2_data.tar"
+  if [ ! -f "$E3_INIT" ] && [ -f "$PERSIST/eagle3_gpu2/eagle3_head.safetensors" ]; then
+    mkdir -p "$(dirname "$E3_INIT")" && cp "$PERSIST"/eagle3_gpu2/eagle3_head.* "$(dirname "$E3_INIT")/"
+  fi
+  [ -f "$E3_INIT" ] && echo "[eagle3 gpu3] starting from $E3_INIT" || echo "[eagle3 gpu3] no $E3_INIT: from scratch"
+  t0=$(date +%s)
+  set +e
+  timeout "${E3_TIMEOUT:-545}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
+  echo "[eagle3 gpu3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  set -e
+  if [ -f "$E3_EXPORT" ]; then
+    mkdir -p "$PERSIST/eagle3_gpu3" && cp "${E3_EXPORT%.safetensors}".* "$PERSIST/eagle3_gpu3/" && cp "${E3_EXPORT%.safetensors}".* "$OUT/"
+  fi
+  for f in metrics.jsonl training_curve.png; do [ -f "$E3_OUTDIR/$f" ] && cp "$E3_OUTDIR/$f" "$OUT/eagle3_gpu3_$f"; done
+  [ -f "$E3_OUTDIR/summary.json" ] && cp "$E3_OUTDIR/summary.json" "$OUT/eagle3_gpu3_train_summary.json"
+  # the new data folders stay on this machine for a later call: $PERSIST/eagle3_gpu3_data.tar
+  new=$(ls -d "$E3_OUTDIR"/data_* "$E3_OUTDIR"/heldout_* 2>/dev/null || true)
+  [ -n "$new" ] && tar cf "$PERSIST/eagle3_gpu3_data.tar" $new && echo "[eagle3 gpu3] new data: $(du -sh "$PERSIST/eagle3_gpu3_data.tar" | cut -f1)"
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/stage_eagle3_gpu3.log"
