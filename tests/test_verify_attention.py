@@ -114,7 +114,7 @@ def test_batch1_split_plan_matches_reference(case):
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (12, 2, 128), (4, 1, 64)], ids=["smollm2", "qwen1.5b", "mqa"])
 def test_split_plan_fills_the_gpu(heads):
-  """Programs over the committed slots reach 2x the SMs unless the cache (one block per split) or
+  """Programs over the committed slots reach PROGRAMS_PER_SM x the SMs unless the cache (one block per split) or
   MAX_SPLITS bounds them; blocks of 64 slots only where 128 would leave the grid short; batch 1
   gets the most splits."""
   h, kvh, d = heads
@@ -127,11 +127,11 @@ def test_split_plan_fills_the_gpu(heads):
         tl = va.tiling_for(b, t, h, kvh, d, cap, sm_count=sms)
         programs = b * kvh * (tl.rows // tl.block_m) * tl.n_splits
         bounded = tl.n_splits in (-(-cap // tl.block_k), va.MAX_SPLITS)
-        assert programs >= 2 * sms or bounded, (b, ctx, t, tl)
-        assert programs < 2 * sms + b * kvh * (tl.rows // tl.block_m), (b, ctx, t, tl)   # no more than needed
+        assert programs >= va.PROGRAMS_PER_SM * sms or bounded, (b, ctx, t, tl)
+        assert programs < va.PROGRAMS_PER_SM * sms + b * kvh * (tl.rows // tl.block_m), (b, ctx, t, tl)   # no more than needed
         assert tl.block_k in (64, 128)
         if tl.block_k == 64 and tl.block_m * d < 8192:
-          assert -(-cap // 128) < -(-2 * sms // (b * kvh * (tl.rows // tl.block_m)))
+          assert -(-cap // 128) < -(-va.PROGRAMS_PER_SM * sms // (b * kvh * (tl.rows // tl.block_m)))
         splits_by_batch.setdefault(ctx, []).append(tl.n_splits)
     for ctx, splits in splits_by_batch.items():
       assert splits == sorted(splits, reverse=True)

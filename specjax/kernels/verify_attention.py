@@ -109,6 +109,11 @@ def _pow2(n: int) -> int:
 
 
 MAX_SPLITS = 256                                 # bounds the partials the merge reads back
+PROGRAMS_PER_SM = 1                              # split target: programs over the committed slots per SM. On an
+                                                 # H100 at batch 1 (12 shapes, ctx 4k/16k, K 4/8/16, 200 calls per
+                                                 # timed loop) 1 per SM beat 2 on 8 shapes, tied on 3, lost one by
+                                                 # 5%; min speedup over XLA 1.69x vs 1.52x
+                                                 # (experiments/results/verify_attention_b1split_h100.json)
 
 
 def split_plan(batch: int, n_kv: int, n_rb: int, capacity: int, sm_count: int,
@@ -116,13 +121,13 @@ def split_plan(batch: int, n_kv: int, n_rb: int, capacity: int, sm_count: int,
   """(block_k, n_splits) for the committed slots: enough programs to fill the GPU.
 
   The grid has batch * n_kv * n_rb * n_splits programs over the committed slots. At batch 1 with
-  few KV heads that product is small, so the split count grows until the grid holds about two
-  programs per SM (`2 * sm_count`), bounded by the cache: a split holds at least one block of
+  few KV heads that product is small, so the split count grows until the grid holds about
+  PROGRAMS_PER_SM programs per SM, bounded by the cache: a split holds at least one block of
   `block_k` slots (the capacity is the static bound on the context), and by MAX_SPLITS. When
   blocks of `max_block_k` slots are too few to reach the target, blocks of 64 give more splits.
   """
   per_split = batch * n_kv * n_rb
-  want = -(-2 * sm_count // per_split)
+  want = -(-PROGRAMS_PER_SM * sm_count // per_split)
   block_k = max_block_k if -(-capacity // max_block_k) >= want else min(64, max_block_k)
   return block_k, max(1, min(want, -(-capacity // block_k), MAX_SPLITS))
 
