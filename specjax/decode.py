@@ -18,15 +18,20 @@ from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_cap
 from specjax.sampling import SamplingParams, sample, shaped_probs, split_keys
 
 
-def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new) -> GenState:
-  """One token per live sequence: forward `last`, sample, emit."""
+def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, stop_ids,
+                        max_new) -> tuple[GenState, jax.Array]:
+  """One token per live sequence: forward `last`, sample, emit. -> (state, emitted [B])."""
   live = (~state.done).astype(jnp.int32)
   logits, _, cache = target_of(cfg).forward(params, cfg, state.last[:, None], state.cache, n_new=live)
   keys, use = split_keys(state.keys)
   token = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [B]
   state = dataclasses.replace(state, cache=cache, keys=keys)
-  state, _ = emit(state, token[:, None], live, stop_ids, max_new)
-  return state
+  return emit(state, token[:, None], live, stop_ids, max_new)
+
+
+def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new) -> GenState:
+  """One token per live sequence (`decode_step_counted` without the count)."""
+  return decode_step_counted(params, cfg, state, sampling, stop_ids, max_new)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity", "history_len"))

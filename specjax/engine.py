@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax import adaptive as adapt
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
-from specjax.decode import prefill_jit
+from specjax.decode import decode_step_counted, prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
 from specjax.models.decoder import DecoderTarget
 from specjax.sampling import SamplingParams, shaped_probs, split_keys
@@ -166,6 +166,17 @@ def _adaptive_round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_n
   return state, dstate, stats, i + 1
 
 
+def _plain_round(params, cfg, sampling, stop_ids, max_new, carry):
+  """A width-0 round for drafters whose commit changes nothing (`commit_free`): the plain decoding
+  step (`decode.decode_step_counted`), without drafting and without the verification / acceptance
+  machinery, so backing off costs what plain decoding costs; lossless as plain decoding is."""
+  state, dstate, stats, i = carry
+  live = ~state.done
+  state, n_out = decode_step_counted(params, cfg, state, sampling, stop_ids, max_new)
+  zeros = jnp.zeros_like(n_out)
+  return state, dstate, stats.update(zeros, zeros, live, n_out), i + 1
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "width"), donate_argnames=("state", "dstate"))
 def _adaptive_segment(params, dparams, state, dstate, stats, sampling, dp, stop_ids, max_new, rounds, *, cfg,
                       drafter, rollback, width):
@@ -175,8 +186,11 @@ def _adaptive_segment(params, dparams, state, dstate, stats, sampling, dp, stop_
   so a zero-round call compiles the same program (`warm`). Returns, beside the carried state, a
   probe for the host: done [B], rounds run, accepted-through-position counts [K], live
   sequence-rounds so far."""
-  body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
-                           rollback, width)
+  if width == 0 and getattr(drafter, "commit_free", False):
+    body = functools.partial(_plain_round, params, cfg, sampling, stop_ids, max_new)
+  else:
+    body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
+                             rollback, width)
   state, dstate, stats, ran = jax.lax.while_loop(
       lambda c: ~jnp.all(c[0].done) & (c[3] < rounds), body, (state, dstate, stats, jnp.int32(0)))
   probe = (state.done.copy(), ran, stats.accepted_by_pos.copy(), jnp.sum(stats.rounds))
@@ -185,33 +199,42 @@ def _adaptive_segment(params, dparams, state, dstate, stats, sampling, dp, stop_
 
 def _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, *, cfg, drafter, rollback,
                          ac, widths, timed=True) -> np.ndarray | None:
-  """[len(widths)] ms per round of whole segments at each width (drafting, the [B, w+1] verify
-  forward, acceptance, commit), timed on copies of the live state with the budget lifted so no
-  sequence stops early: one untimed pass over every width first (compiles, and the first launch of
-  every kernel), then three interleaved timed passes, median per width (timed one width after the
-  other, the first one measured ran slowest on an H100). None when the cache has no room for a few
-  rounds (or `timed` is off: then it only compiles every width)."""
+  """[len(widths)] ms per round at each width (drafting, the [B, w+1] verify forward, acceptance,
+  commit), timed on copies of the live state with the budget lifted so no sequence stops early:
+  one untimed pass over every width first (compiles, and the first launch of every kernel), then
+  three interleaved passes that time a short and a long segment per width; the cost per round is
+  the difference over the extra rounds (median per width), so the per-call cost of a segment
+  (launch, the host's wait; ~0.2 ms per round of an 8-round segment at batch 64 on an H100, which
+  made width 0 look 16% dearer than plain decoding steps and a wider width the better bet) drops
+  out. None when the cache has no room for a few rounds (or `timed` is off: then it only
+  compiles every width)."""
   copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
   k, b = drafter.max_draft, state.last.shape[0]
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
              int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
-  rounds = min(ac.segment_rounds, 8, max(room, 0) // (k + 1))   # 3 x 8 rounds per width: a few ms on a GPU
-  budget = jnp.full((b,), rounds * (k + 1) + 1, jnp.int32)
+  long = min(32, max(room, 0) // (k + 1))
+  short = min(8, long // 4)
+  budget = jnp.full((b,), long * (k + 1) + 1, jnp.int32)
   segs = [functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w) for w in widths]
   args = lambda: (params, dparams, copy(state), copy(dstate), stats, sampling, dp, stop, budget)
   for seg in segs:
-    jax.block_until_ready(seg(*args(), jnp.int32(min(rounds, 1) if timed else 0)))   # compile (+ first launch)
-  if rounds < 2 or not timed:
+    jax.block_until_ready(seg(*args(), jnp.int32(min(long, 1) if timed else 0)))   # compile (+ first launch)
+  if short < 2 or not timed:
     return None
+
+  def run(seg, rounds):
+    a = args()
+    jax.block_until_ready(a)
+    t0 = time.perf_counter()
+    ran = int(seg(*a, jnp.int32(rounds))[3][1])     # waits for the segment
+    return (time.perf_counter() - t0) * 1e3, ran
+
   ms = [[] for _ in widths]
   for _ in range(3):
     for i, seg in enumerate(segs):
-      a = args()
-      jax.block_until_ready(a)
-      t0 = time.perf_counter()
-      ran = int(seg(*a, jnp.int32(rounds))[3][1])     # waits for the segment
-      ms[i].append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
-  return np.asarray([np.median(m) for m in ms], np.float32)
+      (t_s, r_s), (t_l, r_l) = run(seg, short), run(seg, long)
+      ms[i].append((t_l - t_s) / (r_l - r_s) if r_l > r_s else t_l / max(r_l, 1))
+  return np.asarray([max(float(np.median(m)), 1e-3) for m in ms], np.float32)
 
 
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,

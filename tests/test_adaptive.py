@@ -16,6 +16,7 @@ from specjax import adaptive as adapt
 from specjax.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramSimple
+from specjax.drafters.ngram_device import NgramSimpleDevice
 from specjax.engine import speculative_generate
 from specjax.sampling import SamplingParams
 from test_engine import N_SEQ, peaked_target  # noqa: F401
@@ -91,7 +92,8 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
   drafters = [DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=1)),
-              NgramSimple(size_n=1, size_m=K)]
+              NgramSimple(size_n=1, size_m=K),
+              NgramSimpleDevice(size_n=1, size_m=K)]    # commit-free: width-0 segments are plain decode steps
   for d in drafters:
     res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
     assert res.tokens == plain, d.name
@@ -156,8 +158,8 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
 
 def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   """The device loop's warm-up times whole rounds at every width and caches them for this shape
-  (one positive, non-decreasing ms per round per width), so the timed run's controller uses
-  them; generation stays lossless."""
+  (one positive ms per round per width, kept as timed), so the timed run's controller uses them;
+  generation stays lossless."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), segment_rounds=3)
@@ -167,7 +169,7 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   adapt._RAW.pop(key, None)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
-  assert measured.shape == (4,) and np.all(measured > 0) and np.all(np.diff(measured) >= 0)
+  assert measured.shape == (4,) and np.all(measured > 0)
   assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
@@ -239,3 +241,17 @@ def test_width_choice_is_optimistic_about_rarely_seen_positions():
   timed = adapt.remember_costs(("test-key",), [3.2, 1.7, 2.4])
   assert timed.tolist() == pytest.approx([3.2, 1.7, 2.4])
   adapt._RAW.pop(("test-key",)), adapt._COSTS.pop(("test-key",))
+
+
+def test_width_zero_segments_of_a_commit_free_drafter_are_plain_decoding(tiny_llama):
+  """With width 0 the only choice, the device ngram drafter (whose commit changes nothing) runs
+  the plain decoding step: sampled output (T = 1) identical token for token to plain decoding's
+  with the same seed, i.e. the same forward, sampler, key stream and emission."""
+  cfg, params = tiny_llama
+  sampling = lambda: SamplingParams.make(len(PROMPTS3), temperature=1.0, seed=7)
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW, sampling=sampling()).tokens
+  ac = adapt.AdaptiveConfig(widths=(0,), costs=(1.0,), segment_rounds=5, explore_rounds=3)
+  res = speculative_generate(params, cfg, PROMPTS3, NgramSimpleDevice(size_n=1, size_m=K), max_new_tokens=MAX_NEW,
+                             sampling=sampling(), adaptive=ac)
+  assert res.tokens == plain
+  assert res.stats.gen_tokens == 0 and {s[0] for s in res.stats.adaptive["segments"]} == {0}
