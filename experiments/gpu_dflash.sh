@@ -58,13 +58,4 @@ timeout "${EVAL_S:-250}" python3 -m specjax.cli train eval-dflash --config "$CON
   $([ -f "$EAGLE3" ] && echo "--eagle3-head $EAGLE3") --out "$OUT/dflash_eval.json" --quiet \
   || echo "[gpu_dflash] evaluation stopped early (exit $?); results so far are in $OUT"
 echo "[gpu_dflash] evaluation: $(( $(date +%s) - t1 )) s"
-python3 - "$OUT/dflash_eval.json" <<'PY'
-import json, sys
-res = json.load(open(sys.argv[1]))
-for r in res["results"]:
-  for row in r["rows"]:
-    print(f"{r['prompt_set']:10s} T={row['temperature']:.1f} {row['method']:10s} tau {row['tau']:.2f} "
-          f"{row['tokens_per_s']:8.1f} tok/s {row['speedup']:.2f}x "
-          f"acc {row.get('acceptance_by_pos', [])[:6]} equal {row.get('equal_to_plain', '-')}")
-PY
 ls -la "$OUT"

@@ -174,7 +174,7 @@ class PositionRates:
   def rates(self) -> np.ndarray:
     """[K], non-increasing in j (accepting j means accepting every position before it; stale
     estimates of unexplored positions could say otherwise)."""
-    return np.minimum.accumulate(np.clip(self.hits / np.maximum(self.asked, 1e-9), 0.0, 1.0))
+    return self.optimistic(0.0)
 
   def optimistic(self, optimism: float) -> np.ndarray:
     """[K] the rates plus optimism / sqrt(observations) per position, capped at 1 and
@@ -196,19 +196,18 @@ def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) ->
   return (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
 
 
-_RAW: dict = {}           # shapes whose costs are timed whole rounds: the timings as measured, before
-                          # `remember_costs` orders them
+TIMED: set = set()        # shapes whose cached costs are timed whole rounds (not `calibrate`'s forwards)
 
 
 def remember_costs(key: tuple, costs) -> np.ndarray:
   """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
   per shape: `engine._measure_round_costs`). Kept as timed, not made non-decreasing in the width:
-  a round at width 0 verifies one token per sequence, which the attention kernel does not serve
-  (`kernels.verify_attention`: T > 1), so on an H100 at batch 64 it measured 3.2 ms against 1.7 ms
+  a round at width 0 verifies one token per sequence, which the attention kernel did not serve
+  then (`kernels.verify_attention`: T > 1), so on an H100 at batch 64 it measured 3.2 ms against 1.7 ms
   at width 1 and 2.4 ms at width 8; raising every width to width 0's figure made the costs flat
   and the controller chose the widest width (17.1k tok/s where width 2 gave 20.8k)."""
   out = np.maximum(np.asarray(costs, np.float32), 1e-3)
-  _RAW[key] = out
+  TIMED.add(key)
   _COSTS[key] = out
   return out
 

@@ -257,7 +257,7 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
   stats = RoundStats.zeros(b, k)
-  measure = ac.costs is None and cost_key is not None and cost_key not in adapt._RAW
+  measure = ac.costs is None and cost_key is not None and cost_key not in adapt.TIMED
   if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
     measured = _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, cfg=cfg,
                                     drafter=drafter, rollback=rollback, ac=ac, widths=widths, timed=measure)
@@ -284,7 +284,7 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
     rates.observe_totals(widths[wi], hits, int(seq_rounds))
     segments.append([int(widths[wi]), int(ran), round(1e3 * seconds, 3)])
   record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
-            "measured_ms": (adapt._RAW[cost_key].tolist() if cost_key in adapt._RAW else None),
+            "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
             "learned_ms": [float(c) if t else None for c, t in zip(online.ms, online.timed)],
             "segments": [sg for sg in segments if sg[1] > 0]}
   return state, dstate, stats, record

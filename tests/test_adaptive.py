@@ -166,7 +166,7 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
   key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K))
   adapt._COSTS.pop(key, None)
-  adapt._RAW.pop(key, None)
+  adapt.TIMED.discard(key)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
   assert measured.shape == (4,) and np.all(measured > 0)
@@ -240,7 +240,7 @@ def test_width_choice_is_optimistic_about_rarely_seen_positions():
     assert WIDTHS[adapt.choose_width_np(pr.rates, np.full(batch, K), live, WIDTHS, costs)] == 0
   timed = adapt.remember_costs(("test-key",), [3.2, 1.7, 2.4])
   assert timed.tolist() == pytest.approx([3.2, 1.7, 2.4])
-  adapt._RAW.pop(("test-key",)), adapt._COSTS.pop(("test-key",))
+  adapt.TIMED.discard(("test-key",)), adapt._COSTS.pop(("test-key",))
 
 
 def test_width_zero_segments_of_a_commit_free_drafter_are_plain_decoding(tiny_llama):

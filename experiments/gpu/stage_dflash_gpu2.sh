@@ -15,20 +15,13 @@ s = load_spec('$DF')
 print(s.out_dir, s.export)")"
 {
   echo "[dflash gpu2] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
-  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[dflash gpu2] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first (or carry it in .gpucarry/persist/)"; exit 1; }
   [ -f "$PERSIST/mtp2_data.complete" ] || echo "[dflash gpu2] warning: $PERSIST/mtp2_data.complete missing: the data build may be partial"
-  tar xf "$PERSIST/mtp2_data.tar"
+  restore_data "dflash gpu2"
   t0=$(date +%s)
   set +e
   timeout "${DF_TIMEOUT:-510}" python3 -m specjax.cli train dflash --config "$DF" --no-data --no-resume 2>&1 | bars
   echo "[dflash gpu2] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   set -e
-  if [ -f "$DF_EXPORT" ]; then
-    mkdir -p "$PERSIST/dflash_gpu2" && cp "${DF_EXPORT%.safetensors}".* "$PERSIST/dflash_gpu2/" && cp "${DF_EXPORT%.safetensors}".* "$OUT/"
-  else
-    echo "[dflash gpu2] no drafter exported"
-  fi
-  for f in metrics.jsonl training_curve.png; do [ -f "$DF_OUTDIR/$f" ] && cp "$DF_OUTDIR/$f" "$OUT/dflash_$f"; done
-  [ -f "$DF_OUTDIR/summary.json" ] && cp "$DF_OUTDIR/summary.json" "$OUT/dflash_gpu2_train_summary.json"
+  export_trained "dflash gpu2" "$DF_EXPORT" "$DF_OUTDIR" dflash_gpu2 dflash_gpu2_
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_dflash_gpu2.log"

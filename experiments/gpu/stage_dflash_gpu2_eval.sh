@@ -30,14 +30,5 @@ E3=${EAGLE3_HEAD:-assets/eagle3_smollm2_gpu2/eagle3_head.safetensors}
     --out "$OUT/dflash_gpu2_eval.json" --quiet 2>&1 | bars
   echo "[dflash gpu2 eval] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   set -e
-  [ -f "$OUT/dflash_gpu2_eval.json" ] && python3 - "$OUT/dflash_gpu2_eval.json" <<'PY'
-import json, sys
-res = json.load(open(sys.argv[1]))
-for r in res["results"]:
-  for row in r["rows"]:
-    print(f"{r['prompt_set']:10s} T={row['temperature']:.1f} {row['method']:10s} tau {row['tau']:.2f} "
-          f"{row['tokens_per_s']:8.1f} tok/s {row['speedup']:.2f}x "
-          f"acc {row.get('acceptance_by_pos', [])[:6]} equal {row.get('equal_to_plain', '-')}")
-PY
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_dflash_gpu2_eval.log"

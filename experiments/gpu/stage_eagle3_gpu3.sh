@@ -16,8 +16,7 @@ s = load_spec('$E3')
 print(s.out_dir, s.export, s.head.init_from)")"
 {
   echo "[eagle3 gpu3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
-  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[eagle3 gpu3] no $PERSIST/mtp2_data.tar: carry it in .gpucarry/persist/"; exit 1; }
-  tar xf "$PERSIST/mtp2_data.tar"
+  restore_data "eagle3 gpu3"
   if [ ! -f "$E3_INIT" ] && [ -f "$PERSIST/eagle3_gpu2/eagle3_head.safetensors" ]; then
     mkdir -p "$(dirname "$E3_INIT")" && cp "$PERSIST"/eagle3_gpu2/eagle3_head.* "$(dirname "$E3_INIT")/"
   fi
@@ -27,11 +26,7 @@ print(s.out_dir, s.export, s.head.init_from)")"
   timeout "${E3_TIMEOUT:-545}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
   echo "[eagle3 gpu3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   set -e
-  if [ -f "$E3_EXPORT" ]; then
-    mkdir -p "$PERSIST/eagle3_gpu3" && cp "${E3_EXPORT%.safetensors}".* "$PERSIST/eagle3_gpu3/" && cp "${E3_EXPORT%.safetensors}".* "$OUT/"
-  fi
-  for f in metrics.jsonl training_curve.png; do [ -f "$E3_OUTDIR/$f" ] && cp "$E3_OUTDIR/$f" "$OUT/eagle3_gpu3_$f"; done
-  [ -f "$E3_OUTDIR/summary.json" ] && cp "$E3_OUTDIR/summary.json" "$OUT/eagle3_gpu3_train_summary.json"
+  export_trained "eagle3 gpu3" "$E3_EXPORT" "$E3_OUTDIR" eagle3_gpu3 eagle3_gpu3_
   # the new data folders stay on this machine for a later call: $PERSIST/eagle3_gpu3_data.tar
   new=$(ls -d "$E3_OUTDIR"/data_* "$E3_OUTDIR"/heldout_* 2>/dev/null || true)
   [ -n "$new" ] && tar cf "$PERSIST/eagle3_gpu3_data.tar" $new && echo "[eagle3 gpu3] new data: $(du -sh "$PERSIST/eagle3_gpu3_data.tar" | cut -f1)"

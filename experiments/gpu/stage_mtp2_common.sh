@@ -30,3 +30,20 @@ persist_data() {
   for d in $DATA_DIRS; do [ -d "$d" ] && have="$have $d"; done
   if [ -n "$have" ]; then tar cf "$PERSIST/mtp2_data.tar" $have; else echo "[mtp2] no data folder to persist"; fi
 }
+# the data folders of stage_mtp2_data.sh, restored from $PERSIST (a training stage's first step)
+restore_data() {   # restore_data TAG
+  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[$1] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first (or carry it in .gpucarry/persist/)"; exit 1; }
+  tar xf "$PERSIST/mtp2_data.tar"
+}
+# a trained head's files -> $PERSIST/NAME and $OUT; its metrics, curve and summary -> $OUT/PREFIX*
+export_trained() {   # export_trained TAG EXPORT OUTDIR NAME PREFIX
+  local tag=$1 export=$2 outdir=$3 name=$4 prefix=$5
+  if [ -f "$export" ]; then
+    mkdir -p "$PERSIST/$name" && cp "${export%.safetensors}".* "$PERSIST/$name/" && cp "${export%.safetensors}".* "$OUT/"
+  else
+    echo "[$tag] no export (training stopped early)"
+  fi
+  for f in metrics.jsonl training_curve.png; do [ -f "$outdir/$f" ] && cp "$outdir/$f" "$OUT/$prefix$f"; done
+  [ -f "$outdir/summary.json" ] && cp "$outdir/summary.json" "$OUT/${prefix}train_summary.json"
+  return 0
+}

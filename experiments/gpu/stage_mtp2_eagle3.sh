@@ -13,17 +13,12 @@ s = load_spec('$E3')
 print(s.out_dir, s.export)")"
 {
   echo "[mtp2 eagle3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
-  [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[mtp2 eagle3] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first"; exit 1; }
-  tar xf "$PERSIST/mtp2_data.tar"
+  restore_data "mtp2 eagle3"
   t0=$(date +%s)
   set +e
   timeout "${E3_TIMEOUT:-450}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
   echo "[mtp2 eagle3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   set -e
-  if [ -f "$E3_EXPORT" ]; then
-    mkdir -p "$PERSIST/eagle3_gpu2" && cp "${E3_EXPORT%.safetensors}".* "$PERSIST/eagle3_gpu2/" && cp "${E3_EXPORT%.safetensors}".* "$OUT/"
-  fi
-  for f in metrics.jsonl training_curve.png; do [ -f "$E3_OUTDIR/$f" ] && cp "$E3_OUTDIR/$f" "$OUT/eagle3_$f"; done
-  [ -f "$E3_OUTDIR/summary.json" ] && cp "$E3_OUTDIR/summary.json" "$OUT/eagle3_gpu2_train_summary.json"
+  export_trained "mtp2 eagle3" "$E3_EXPORT" "$E3_OUTDIR" eagle3_gpu2 eagle3_gpu2_
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_mtp2_eagle3.log"

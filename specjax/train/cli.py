@@ -209,7 +209,7 @@ def cmd_eval_dflash(args) -> int:
   from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
   from specjax.train.dflash import load_spec
-  from specjax.train.dflash_eval import evaluate, first_turns, plot_eval
+  from specjax.train.dflash_eval import evaluate, first_turns, format_eval, plot_eval
   spec = load_spec(args.config, dtype=args.dtype)
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   methods = {f"dflash n{n}": ("dflash", args.head or spec.export, int(n), {}) for n in args.n_max.split(",")}
@@ -231,6 +231,7 @@ def cmd_eval_dflash(args) -> int:
     Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
     plot_eval(out["results"], Path(args.out).with_suffix(".png"),
               title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
+  print(format_eval(out["results"]))
   print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
   return 0
 

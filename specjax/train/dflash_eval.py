@@ -100,6 +100,16 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
           "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()}, "rows": rows}
 
 
+def format_eval(results: list[dict]) -> str:
+  """One line per prompt set, temperature and method: tau, tokens/s, speedup, acceptance by
+  position, equality with plain decoding."""
+  return "\n".join(
+      f"{r['prompt_set']:10s} T={row['temperature']:.1f} {row['method']:10s} tau {row.get('tau', 1.0):.2f} "
+      f"{row['tokens_per_s']:8.1f} tok/s {row.get('speedup', 1.0):.2f}x "
+      f"acc {row.get('acceptance_by_pos', [])[:6]} equal {row.get('equal_to_plain', '-')}"
+      for r in results for row in r["rows"])
+
+
 def plot_eval(results: list[dict], out_png: str | Path, title: str = "") -> Path:
   """Per prompt set and temperature: acceptance by draft position of each method, and tau /
   speedup over plain decoding as bars."""
