@@ -1,38 +1,40 @@
 """Adaptive drafting: per-sequence draft lengths from running acceptance, and a batch-wide
-verification width chosen by measured cost and measured acceptance by position, backing off to
+verification width chosen by measured cost and measured (or replayed) acceptance, backing off to
 plain decoding when speculation does not pay.
 
-Two estimates, both exponentially decayed per round:
+The device loop (`engine._adaptive_run`) is one jitted program: a while_loop over segments of
+`segment_rounds` rounds; before each, the controller (`choose_width_device`) picks the width w that
+finishes the batch soonest,
 
-- per sequence i, its drafter's per-token acceptance alpha_i (censored-geometric maximum
-  likelihood: accepted tokens / (accepted tokens + rejections)). On the host loop a sequence drafts
-  at most n_i* tokens, the longest draft whose last token is still reached with probability
-  alpha_i^n >= `reach_min` (host drafting costs time per token). On the device loop every sequence
-  is verified at the batch's width anyway, so drafts fill it.
-- batch-wide, by draft position j, p_j = P(position j accepted | a draft through j was asked for):
-  rounds where the drafter had no draft, or a shorter one, count as misses. This is what the width
-  choice uses. A first version predicted the gain of width w from the geometric model
-  1 + rho * (alpha + .. + alpha^w); with n-gram drafters (short drafts fully accepted, so alpha is
-  high, but rarely a long draft) it over-predicted wide widths, and on an H100 at batch 64 the
-  controller kept width 8 (15.5k tok/s) where fixed n_max 2 gave 21.4k.
+    w = argmin_w  cost(B, w) * max over live sequences i of remaining_i / tau_i(w),
 
-The verification width w is the same for the whole batch (one [B, w+1] forward), taken from a few
-compiled widths; w = 0 is a plain decode step. The controller picks
+and a `lax.switch` runs the segment at that static width (w = 0: plain decode steps). A static batch
+runs until its slowest sequence is done, so at batch 64 on MT-bench one sequence with nothing to
+look up keeps the round count of plain decoding (fixed n_max 2 / 8 on an H100 took 124 / 125 rounds
+against plain decoding's 128, at mean tau 1.29 / 1.45) and speculation only adds cost per round;
+at batch 1 the rule is tokens per ms. cost(B, w) is the milliseconds of a round, timed once per
+shape in the warm-up with the same program (width pinned; `remember_costs`; `calibrate` is a
+forward-only first estimate). tau_i(w), expected tokens per round:
 
-    w = argmax_w  sum_i live_i * (1 + p_1 + .. + p_min(w, n_i*)) / cost(B, w),
+- replayed (`adaptive_replay`) for drafters whose drafts are point masses computed from the history
+  alone (device ngram_simple): from the stream produced so far, whatever width produced it, the
+  rounds speculation at every width would have taken, per sequence, shrunk toward the batch's
+  figure by `prior_rounds` rounds; nothing needs exploring and plain-decoding segments still learn.
+- otherwise censored-geometric per sequence: alpha_i = accepted / (accepted + rejections), decayed
+  per segment, tau = 1 + alpha + .. + alpha^w; positions beyond the chosen width get no evidence, so
+  the first segment and every `explore_every`-th is a short one (`explore_rounds`) at the widest width.
 
-with cost(B, w) the measured milliseconds of a whole round at width w at this batch size and
-capacity (timed once per shape, cached: `remember_costs`; `calibrate` is a forward-only first
-estimate). At large batches verification of many tokens stops being free, cost grows with w and
-the argmax moves to short drafts or to w = 0: speculation backs off by itself. Positions beyond the
-chosen width get no new evidence, so every `explore_every` segments (and first of all) a short
-segment of `explore_rounds` rounds runs at the widest width.
+History of the device loop on an H100 (issue 11): the geometric model for n-gram drafters
+over-predicted wide widths (kept width 8: 15.5k tok/s at batch 64 where n_max 2 gave 21.4k); a
+`lax.switch` per round ran 24% slower than fixed n_max 2 (suspected copies of the KV cache through
+the conditional; per segment they are paid once per 16 rounds); host-driven segments cost ~8.5 ms
+each beyond their rounds and the warm-up's costs disagreed with the segments' wall times, so the
+controller hopped between widths (18.0k vs plain decoding's 22.5k).
 
-The device loop runs in segments of `segment_rounds` rounds at one static width. The host picks
-each segment's width from the round stats of the segments so far (`PositionRates`) and from round
-costs that each timed segment updates (`OnlineCosts`). A first version chose per round with a `lax.switch` over
-widths and ran 24% slower than fixed n_max 2 at batch 64 on an H200 with the same tau (suspected:
-copies of the KV cache through the conditional). The host loop chooses every round.
+The host loop (`HostController`, numpy, host drafters) chooses every round from acceptance by
+position p_j (`PositionRates`): w = argmax sum_i live_i (1 + p_1 + .. + p_min(w, n_i*)) / cost(w),
+where a sequence drafts at most n_i* tokens, the longest whose last token is still reached with
+probability alpha_i^n >= `reach_min` (host drafting costs time per token).
 
 Off / on: `speculative_generate(..., adaptive=AdaptiveConfig())`, bench methods `adaptive: true`.
 """
@@ -50,7 +52,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
-  decay: float = 0.8              # weight of the past in the running estimates (per round; device loop: per segment)
+  decay: float = 0.8              # weight of the past in the running estimates (host loop: per round; device
+                                  # loop: per segment)
   reach_min: float = 0.2          # host loop: draft while the last token is reached with at least this
                                   # probability (host drafting costs time per token)
   prior_alpha: float = 0.5        # starting per-token acceptance (weight `prior_weight` rounds)
@@ -61,9 +64,10 @@ class AdaptiveConfig:
                                   # into width 0; at batch 64 one 4-round segment brings it to ~0.03
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
-  segment_rounds: int = 32        # device loop: rounds per segment; the width is chosen per segment (each
-                                  # boundary is a host round trip: at batch 64 on an H100, 8-round segments
-                                  # ran 12% slower than fixed n_max 8 at the same width, one segment 4%)
+  segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment, on the
+                                  # device (host-driven segments cost ~8.5 ms each on an H100)
+  prior_rounds: float = 8.0       # device loop: a sequence's replayed tokens per round are shrunk toward
+                                  # the batch's by this many rounds
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
                                   # the first segment, then one every `explore_every` segments
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
@@ -212,27 +216,6 @@ def remember_costs(key: tuple, costs) -> np.ndarray:
   return out
 
 
-class OnlineCosts:
-  """Round costs that follow the run: each finished segment's wall time per round replaces (by an
-  exponential average) the cost of its width. The warm-up's timings of a few rounds on copies were
-  off on an H100 (every width measured alike, 3.2 ms at batch 64, while real rounds took 4.0 ms
-  plain and 5.3 ms at width 8), so the controller kept the widest width; widths the run has not
-  timed keep the warm-up's figure, and a width measured too cheap is tried and corrected. Costs given
-  in the config (`AdaptiveConfig.costs`, any unit) are not learned."""
-
-  def __init__(self, costs, weight: float = 0.5, learn: bool = True):
-    self.ms = np.asarray(costs, np.float64).copy()
-    self.timed = np.zeros(len(self.ms), bool)
-    self.weight, self.learn = weight, learn
-
-  def observe(self, index: int, seconds: float, rounds: int) -> None:
-    if not self.learn or rounds < 2:   # costs given by the user stay; a segment cut short says little
-      return
-    ms = 1e3 * seconds / rounds
-    self.ms[index] = ms if not self.timed[index] else (1 - self.weight) * self.ms[index] + self.weight * ms
-    self.timed[index] = True
-
-
 def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *, context: int = 0,
               repeats: int = 5) -> np.ndarray:
   """[len(widths)] median ms of one target forward of w + 1 tokens per sequence at this batch and
@@ -311,3 +294,33 @@ class HostController:
       else:
         runs.append([w, 1])
     return {"widths": list(self.widths), "costs_ms": [float(c) for c in self.costs], "segments": runs}
+
+
+# ----------------------------------------------------------------------------------------------
+# the device loop's controller (runs inside the jitted loop, between segments)
+
+
+def tau_replayed(tokens, rounds, prior_rounds: float):
+  """[W, B] expected tokens per round at each width, per sequence, from replayed rounds
+  (`adaptive_replay`), shrunk toward the batch's pooled figure by `prior_rounds` rounds; 1 (no
+  gain from drafting) before anything is replayed."""
+  pooled = jnp.where(jnp.sum(rounds, 1) > 0, jnp.sum(tokens, 1) / jnp.maximum(jnp.sum(rounds, 1), 1e-6), 1.0)   # [W]
+  return (tokens + prior_rounds * pooled[:, None]) / (rounds + prior_rounds)
+
+
+def tau_geometric(alpha, widths: tuple[int, ...]):
+  """[W, B] expected tokens per round when each draft token is accepted with probability alpha [B]
+  given the ones before: 1 + alpha + .. + alpha^w (drafters whose acceptance cannot be replayed)."""
+  w = jnp.asarray(widths, jnp.float32)[:, None]                                              # [W, 1]
+  a = jnp.clip(alpha, 0.0, 0.999)[None, :]
+  return (1.0 - a ** (w + 1)) / (1.0 - a)
+
+
+def choose_width_device(tau, live, remaining, costs):
+  """Index of the width that finishes the batch soonest: a static batch runs until its slowest
+  sequence is done, so the time left at width w is cost(w) x max over live sequences of
+  remaining_i / tau_i(w) rounds. tau [W, B], live [B], remaining [B] tokens, costs [W] ms per round.
+  Ties go to the narrower width. At batch 1 this is tokens per ms; at batch 64 a few sequences with
+  nothing to look up keep the round count of plain decoding, and the controller backs off."""
+  need = jnp.max(jnp.where(live[None, :], remaining[None, :].astype(jnp.float32) / tau, 0.0), axis=1)   # [W]
+  return jnp.argmin(costs * need).astype(jnp.int32)

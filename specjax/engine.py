@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import adaptive as adapt
+from specjax.adaptive_replay import ReplayState, replay_segment
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
 from specjax.decode import decode_step_counted, prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
@@ -177,116 +178,172 @@ def _plain_round(params, cfg, sampling, stop_ids, max_new, carry):
   return state, dstate, stats.update(zeros, zeros, live, n_out), i + 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "width"), donate_argnames=("state", "dstate"))
-def _adaptive_segment(params, dparams, state, dstate, stats, sampling, dp, stop_ids, max_new, rounds, *, cfg,
-                      drafter, rollback, width):
-  """Up to `rounds` rounds at one static verification width, in one while_loop. The host picks
-  each segment's width (a width per segment, not a `lax.switch` per round: that version was 24%
-  slower on an H200, suspected copies of the KV cache through the conditional). `rounds` is traced,
-  so a zero-round call compiles the same program (`warm`). Returns, beside the carried state, a
-  probe for the host: done [B], rounds run, accepted-through-position counts [K], live
-  sequence-rounds so far."""
+def _rounds_at(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, width, rounds, carry):
+  """Up to `rounds` (traced) rounds at one static verification width: a while_loop. Width 0 of a
+  commit-free drafter is plain decoding steps."""
   if width == 0 and getattr(drafter, "commit_free", False):
     body = functools.partial(_plain_round, params, cfg, sampling, stop_ids, max_new)
   else:
     body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
                              rollback, width)
+  state, dstate, stats = carry
   state, dstate, stats, ran = jax.lax.while_loop(
       lambda c: ~jnp.all(c[0].done) & (c[3] < rounds), body, (state, dstate, stats, jnp.int32(0)))
-  probe = (state.done.copy(), ran, stats.accepted_by_pos.copy(), jnp.sum(stats.rounds))
-  return state, dstate, stats, probe
+  return state, dstate, stats, ran
 
 
-def _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, *, cfg, drafter, rollback,
-                         ac, widths, timed=True) -> np.ndarray | None:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Control:
+  """What the device controller carries between segments."""
+  replay: ReplayState      # replayed acceptance per width (replayable drafters)
+  accepted: jax.Array      # [B] f32 decayed accepted draft tokens (other drafters: censored geometric)
+  trials: jax.Array        # [B] f32 decayed accepted tokens + rejections
+  segment: jax.Array       # [] int32 segments run
+  total: jax.Array         # [] int32 rounds run
+  log_width: jax.Array     # [L] int32 width index of each segment (the last slot collects the rest)
+  log_rounds: jax.Array    # [L] int32 rounds of each segment
+
+
+ADAPTIVE_LOG = 512
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "ac"), donate_argnames=("state", "dstate"))
+def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, costs, force, max_rounds, *,
+                  cfg, drafter, rollback, ac):
+  """Adaptive drafting in one jitted program: a while_loop over segments; before each, the
+  controller picks the width that finishes the batch soonest (`adapt.choose_width_device`) from
+  the round costs [W] (ms, measured in the warm-up) and per-sequence expected tokens per round, and
+  a `lax.switch` runs up to `ac.segment_rounds` rounds at that width. No host round trip between
+  segments (on an H100 each host-driven segment cost ~8.5 ms beyond its rounds, at batch 64 and 32
+  alike). Expected tokens per round come from replaying the produced stream (`adaptive_replay`)
+  for point-mass drafters that allow it (device ngram_simple: every width is evaluated on every
+  segment, plain decoding included, so nothing needs exploring), otherwise from the censored-geometric
+  acceptance per sequence, refreshed by a short segment at the widest width every
+  `ac.explore_every` segments. `force` >= 0 pins the width index and runs one segment of
+  `max_rounds` rounds (the warm-up's timing); `max_rounds` caps the rounds of the run."""
+  b, k = state.last.shape[0], drafter.max_draft
+  widths = ac.widths_for(k)
+  replayable = bool(getattr(drafter, "replayable", False))
+  window = ac.segment_rounds * (k + 1) + k + 1
+  f32 = lambda v: jnp.full((b,), v, jnp.float32)
+  ctl = _Control(replay=ReplayState.init(state.hist_len, len(widths)), accepted=f32(ac.prior_alpha * ac.prior_weight),
+                 trials=f32(ac.prior_weight), segment=jnp.int32(0), total=jnp.int32(0),
+                 log_width=jnp.zeros((ADAPTIVE_LOG,), jnp.int32), log_rounds=jnp.zeros((ADAPTIVE_LOG,), jnp.int32))
+  branches = [functools.partial(_rounds_at, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, w)
+              for w in widths]
+
+  def body(carry):
+    state, dstate, stats, ctl = carry
+    live = ~state.done
+    remaining = jnp.maximum(max_new - state.n_out, 1)
+    if replayable:
+      tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
+      rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
+      wi = adapt.choose_width_device(tau, live, remaining, costs)      # nothing replayed yet: width 0
+    else:
+      tau = adapt.tau_geometric(ctl.accepted / jnp.maximum(ctl.trials, 1e-6), widths)
+      explore = ctl.segment % ac.explore_every == 0
+      wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs))
+      rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
+    wi = jnp.where(force >= 0, force, wi).astype(jnp.int32)
+    rounds = jnp.minimum(jnp.where(force >= 0, max_rounds, rounds), max_rounds - ctl.total)
+    before = stats
+    state, dstate, stats, ran = jax.lax.switch(wi, branches, rounds, (state, dstate, stats))
+    if replayable:
+      replay = replay_segment(ctl.replay, drafter.propose_at, state.history, state.hist_len, widths, k, window, ac.decay)
+      accepted, trials = ctl.accepted, ctl.trials
+    else:
+      replay = ctl.replay
+      d_acc = (stats.acc_tokens - before.acc_tokens).astype(jnp.float32)
+      d_rej = (stats.rejected - before.rejected).astype(jnp.float32)
+      seen = (d_acc + d_rej) > 0
+      accepted = jnp.where(seen, ac.decay * ctl.accepted + d_acc, ctl.accepted)
+      trials = jnp.where(seen, ac.decay * ctl.trials + d_acc + d_rej, ctl.trials)
+    slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
+    ctl = _Control(replay=replay, accepted=accepted, trials=trials, segment=ctl.segment + 1, total=ctl.total + ran,
+                   log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
+    return state, dstate, stats, ctl
+
+  stats = RoundStats.zeros(b, k)
+  state, dstate, stats, ctl = jax.lax.while_loop(
+      lambda c: ~jnp.all(c[0].done) & (c[3].total < max_rounds), body, (state, dstate, stats, ctl))
+  r = ctl.replay
+  replayed_tau = jnp.sum(r.tokens, 1) / jnp.maximum(jnp.sum(r.rounds, 1), 1e-6)     # [W] pooled, decayed
+  return state, dstate, stats, (ctl.log_width, ctl.log_rounds, ctl.segment, ctl.total, replayed_tau)
+
+
+def _measure_round_costs(params, dparams, state, dstate, sampling, dp, stop, *, cfg, drafter, rollback, ac,
+                         timed=True) -> np.ndarray | None:
   """[len(widths)] ms per round at each width (drafting, the [B, w+1] verify forward, acceptance,
-  commit), timed on copies of the live state with the budget lifted so no sequence stops early:
-  one untimed pass over every width first (compiles, and the first launch of every kernel), then
-  three interleaved passes that time a short and a long segment per width; the cost per round is
-  the difference over the extra rounds (median per width), so the per-call cost of a segment
-  (launch, the host's wait; ~0.2 ms per round of an 8-round segment at batch 64 on an H100, which
-  made width 0 look 16% dearer than plain decoding steps and a wider width the better bet) drops
-  out. None when the cache has no room for a few rounds (or `timed` is off: then it only
-  compiles every width)."""
+  commit, and the controller's per-segment work), timed with the adaptive program itself (width
+  pinned by `force`) on copies of the live state with the budget lifted so no sequence stops
+  early: one untimed call first (compiles), then three interleaved passes that time a short and a
+  long run per width; the cost per round is the difference over the extra rounds (median per
+  width), so the per-call cost (launch, the host's wait) drops out. None when the cache has no
+  room for a few rounds (or `timed` is off: then it only compiles)."""
   copy = functools.partial(jax.tree_util.tree_map, jnp.copy)
   k, b = drafter.max_draft, state.last.shape[0]
+  widths = ac.widths_for(k)
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
              int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
   long = min(32, max(room, 0) // (k + 1))
   short = min(8, long // 4)
   budget = jnp.full((b,), long * (k + 1) + 1, jnp.int32)
-  segs = [functools.partial(_adaptive_segment, cfg=cfg, drafter=drafter, rollback=rollback, width=w) for w in widths]
-  args = lambda: (params, dparams, copy(state), copy(dstate), stats, sampling, dp, stop, budget)
-  for seg in segs:
-    jax.block_until_ready(seg(*args(), jnp.int32(min(long, 1) if timed else 0)))   # compile (+ first launch)
-  if short < 2 or not timed:
-    return None
+  costs0 = jnp.ones((len(widths),), jnp.float32)
 
-  def run(seg, rounds):
-    a = args()
+  def run(i, rounds):
+    a = (params, dparams, copy(state), copy(dstate), sampling, dp, stop, budget)
     jax.block_until_ready(a)
     t0 = time.perf_counter()
-    ran = int(seg(*a, jnp.int32(rounds))[3][1])     # waits for the segment
+    out = _adaptive_run(*a, costs0, jnp.int32(i), jnp.int32(rounds), cfg=cfg, drafter=drafter, rollback=rollback, ac=ac)
+    ran = int(out[3][3])     # waits for the run
     return (time.perf_counter() - t0) * 1e3, ran
 
+  run(len(widths) - 1, min(long, 1) if timed else 0)   # compile (+ first launch)
+  if short < 2 or not timed:
+    return None
   ms = [[] for _ in widths]
   for _ in range(3):
-    for i, seg in enumerate(segs):
-      (t_s, r_s), (t_l, r_l) = run(seg, short), run(seg, long)
+    for i in range(len(widths)):
+      (t_s, r_s), (t_l, r_l) = run(i, short), run(i, long)
       ms[i].append((t_l - t_s) / (r_l - r_s) if r_l > r_s else t_l / max(r_l, 1))
   return np.asarray([max(float(np.median(m)), 1e-3) for m in ms], np.float32)
 
 
 def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, *, cfg, drafter, rollback, ac, costs,
                    warm=False, cost_key=None):
-  """Segments of rounds, each at the width the host picks from acceptance by position (read from
-  the round stats) and round costs; the first (and every `ac.explore_every`-th) a short one at the
-  widest width, which refreshes the estimate of every draft position. Each segment is timed (the
-  host waits for it: on an H100 a launch did not return before the previous segment finished, so
-  enqueueing ahead hid nothing and only blurred the timings) and its ms per round updates its
-  width's cost (`adapt.OnlineCosts`).
-
-  Once per shape (`cost_key`) it compiles the segment of every width and times whole rounds at
-  each (`_measure_round_costs`), which replace the forward-only calibration; `warm` (a benchmark's
-  untimed warm-up passes it) compiles every width too, so a later timed run never compiles
-  (without it, on an H200 at batch 64, widths a short warm-up never chose compiled inside the
-  timed run: 0.035x of plain decoding). Returns the state, the drafter state, the round stats and
-  a record of the run (costs, widths, [width, rounds, ms] per segment)."""
+  """Adaptive drafting on the device (`_adaptive_run`). Once per shape (`cost_key`) the round
+  costs of every width are timed (`_measure_round_costs`) and replace the forward-only calibration;
+  `warm` (a benchmark's untimed warm-up passes it) compiles the program, so a later timed run never
+  compiles. Returns the state, the drafter state, the round stats and a record of the run (costs,
+  widths, [width, rounds] per segment, replayed tokens per round by width)."""
   if getattr(drafter, "proposes_tree", False):
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
-  b, k = state.last.shape[0], drafter.max_draft
-  widths = ac.widths_for(k)
-  stats = RoundStats.zeros(b, k)
+  widths = ac.widths_for(drafter.max_draft)
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt.TIMED
-  if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile every width
-    measured = _measure_round_costs(params, dparams, state, dstate, stats, sampling, dp, stop, cfg=cfg,
-                                    drafter=drafter, rollback=rollback, ac=ac, widths=widths, timed=measure)
+  if warm or measure:   # once per shape (a benchmark's untimed warm-up pays it), or to compile
+    measured = _measure_round_costs(params, dparams, state, dstate, sampling, dp, stop, cfg=cfg, drafter=drafter,
+                                    rollback=rollback, ac=ac, timed=measure)
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
-  caps = np.broadcast_to(np.asarray(dp["n_max"]), (b,))
-  online = adapt.OnlineCosts(costs, learn=ac.costs is None)
-  rates = adapt.PositionRates(k, ac)
-  segments: list[list] = []      # [width, rounds run, ms]
-  done = np.asarray(state.done)  # waits for the prefill, which would otherwise be timed with the first segment
-  while not done.all():
-    s = len(segments)
-    if s % ac.explore_every == 0:
-      wi, rounds = len(widths) - 1, ac.explore_rounds
+  state, dstate, stats, probe = _adaptive_run(params, dparams, state, dstate, sampling, dp, stop, max_new,
+                                              jnp.asarray(costs, jnp.float32), jnp.int32(-1), jnp.int32(2 ** 30),
+                                              cfg=cfg, drafter=drafter, rollback=rollback, ac=ac)
+  log_w, log_r, n_seg, _, tau = jax.device_get(probe)
+  n = min(int(n_seg), ADAPTIVE_LOG)
+  segments: list[list[int]] = []
+  for wi, r in zip(log_w[:n], log_r[:n]):
+    if r <= 0:
+      continue
+    if segments and segments[-1][0] == int(widths[wi]):
+      segments[-1][1] += int(r)
     else:
-      wi, rounds = adapt.choose_width_np(rates.optimistic(ac.optimism), caps, ~done, widths, online.ms), ac.segment_rounds
-    t0 = time.perf_counter()
-    state, dstate, stats, probe = _adaptive_segment(
-        params, dparams, state, dstate, stats, sampling, dp, stop, max_new, jnp.int32(rounds),
-        cfg=cfg, drafter=drafter, rollback=rollback, width=widths[wi])
-    done, ran, hits, seq_rounds = jax.device_get(probe)
-    seconds = time.perf_counter() - t0
-    online.observe(wi, seconds, int(ran))
-    rates.observe_totals(widths[wi], hits, int(seq_rounds))
-    segments.append([int(widths[wi]), int(ran), round(1e3 * seconds, 3)])
+      segments.append([int(widths[wi]), int(r)])
   record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
             "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
-            "learned_ms": [float(c) if t else None for c, t in zip(online.ms, online.timed)],
-            "segments": [sg for sg in segments if sg[1] > 0]}
+            "segments": segments, "n_segments": int(n_seg),
+            "replayed_tau": ([round(float(t), 4) for t in tau] if getattr(drafter, "replayable", False) else None)}
   return state, dstate, stats, record
 
 

@@ -25,11 +25,13 @@ class RoundStats:
   drafted_by_pos: jax.Array   # [K] rounds whose draft reached position i (trees: depth i + 1)
   accepted_by_pos: jax.Array  # [K] rounds whose draft was accepted through position i (trees: depth i + 1)
   emitted: jax.Array          # [B] tokens emitted by rounds (after stop-token / budget cuts)
+  rejected: jax.Array         # [B] rounds whose draft was not accepted to its end (adaptive drafting's
+                              # censored-geometric acceptance: accepted tokens / (those + rejections))
 
   @staticmethod
   def zeros(batch: int, k: int) -> "RoundStats":
     z = jnp.zeros((batch,), jnp.int32)
-    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z)
+    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z, z)
 
   def update(self, dlen, n_acc, live, n_emitted, n_verified=None) -> "RoundStats":
     """dlen [B]: draft length (chains) or depth reached (trees; then n_verified [B] = nodes verified)."""
@@ -45,7 +47,8 @@ class RoundStats:
         acc_tokens=self.acc_tokens + n_acc * live_i,
         drafted_by_pos=self.drafted_by_pos + jnp.sum((pos < dlen[:, None]) & live[:, None], axis=0),
         accepted_by_pos=self.accepted_by_pos + jnp.sum((pos < n_acc[:, None]) & live[:, None], axis=0),
-        emitted=self.emitted + n_emitted)
+        emitted=self.emitted + n_emitted,
+        rejected=self.rejected + (live & (n_acc < dlen)).astype(jnp.int32))
 
 
 @dataclasses.dataclass

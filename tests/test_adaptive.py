@@ -17,6 +17,7 @@ from specjax.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice
+from specjax.adaptive_replay import ReplayState, replay_segment
 from specjax.engine import speculative_generate
 from specjax.sampling import SamplingParams
 from test_engine import N_SEQ, peaked_target  # noqa: F401
@@ -85,9 +86,10 @@ def test_update_estimates_acceptance_per_token_and_per_position():
 @pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.6, 2.2), (1.0, 50.0, 100.0)],
                          ids=["flat", "mild", "backs_off"])
 def test_adaptive_greedy_is_lossless(tiny_llama, costs):
-  """Device loop (draft model) and host loop (ngram_simple), batch 3: greedy output identical to
-  plain decoding whatever widths the controller picks; with prohibitive costs most rounds are
-  plain decode steps (drafts are verified only in the periodic exploration segments)."""
+  """Device loop (draft model; device ngram_simple, whose acceptance is replayed) and host loop
+  (ngram_simple), batch 3: greedy output identical to plain decoding whatever widths the controller
+  picks; with prohibitive costs most rounds are plain decode steps (the draft model's drafts are
+  verified only in the periodic exploration segments, the replayed drafter's never)."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
@@ -100,8 +102,12 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
     rec = res.stats.adaptive      # [width, rounds(, ms)] runs: they add up to the rounds the loop ran
     assert rec["widths"] == list(WIDTHS) and rec["costs_ms"] == pytest.approx(costs)
     assert sum(s[1] for s in rec["segments"]) == max(res.stats.per_seq_rounds), rec
-    assert rec["segments"][0][0] == WIDTHS[-1], rec          # the first rounds explore the widest width
-    if costs[1] >= 50:   # backs off; only the exploration segments verify drafts
+    replayed = getattr(d, "replayable", False)
+    if d.on_device:   # the first rounds explore the widest width, unless every width is replayed
+      assert rec["segments"][0][0] == (0 if replayed else WIDTHS[-1]), rec
+    if costs[1] >= 50 and replayed:
+      assert res.stats.gen_tokens == 0 and rec["segments"] == [[0, max(res.stats.per_seq_rounds)]], rec
+    elif costs[1] >= 50:   # backs off; only the exploration segments verify drafts
       assert res.stats.gen_tokens <= 0.5 * res.stats.rounds * K, res.stats.format()
     else:
       assert res.stats.gen_tokens > 0, res.stats.format()
@@ -140,19 +146,19 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
   following run of the same shapes adds no compilation whatever widths its controller picks (the
   widths a short warm-up never chose used to compile inside the timed run: 0.035x of plain decoding
   at batch 64 on an H200). The warm-up leaves its inputs alone: the output is still lossless."""
-  from specjax.engine import _adaptive_segment
+  from specjax.engine import _adaptive_run
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), costs=(1.0, 1.1, 1.15, 1.2), segment_rounds=2)
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=3))
-  before = _adaptive_segment._cache_size()
+  before = _adaptive_run._cache_size()
   warm = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True,
                               adaptive=ac)
-  compiled = _adaptive_segment._cache_size()
-  assert compiled - before >= len(ac.widths_for(K)), (before, compiled)
+  compiled = _adaptive_run._cache_size()
+  assert compiled - before >= 1, (before, compiled)     # one program holds every width
   assert warm.tokens == [t[:2] for t in plain]
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
-  assert _adaptive_segment._cache_size() == compiled
+  assert _adaptive_run._cache_size() == compiled
   assert res.tokens == plain
 
 
@@ -173,23 +179,56 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
-  rec = res.stats.adaptive   # the warm-up's raw timings, and the widest width timed again by the run itself
+  rec = res.stats.adaptive   # the controller ran on the warm-up's timings
   assert len(rec["measured_ms"]) == 4 and rec["costs_ms"] == pytest.approx(measured.tolist())
-  assert rec["learned_ms"][-1] is not None and rec["learned_ms"][-1] > 0, rec
 
 
-def test_online_costs_follow_the_run():
-  """A timed segment replaces its width's warm-up cost, later ones average in; segments of fewer
-  than two rounds and costs given by the user are left alone."""
-  oc = adapt.OnlineCosts([3.0, 3.0, 3.0])
-  oc.observe(2, 0.016, 4)                  # 4 ms per round
-  oc.observe(1, 0.010, 1)                  # too short to say
-  assert oc.ms.tolist() == pytest.approx([3.0, 3.0, 4.0]) and oc.timed.tolist() == [False, False, True]
-  oc.observe(2, 0.024, 4)                  # 6 ms: averaged with weight 0.5
-  assert oc.ms[2] == pytest.approx(5.0)
-  fixed = adapt.OnlineCosts([1.0, 2.0], learn=False)
-  fixed.observe(1, 1.0, 10)
-  assert fixed.ms.tolist() == [1.0, 2.0]
+def test_replay_counts_the_rounds_speculation_would_take():
+  """Replayed acceptance (`adaptive_replay`) over three segments of a random stream equals walking
+  the stream round by round: a round at width w starting at L ends at L + 1 + min(m_L, w), m_L the
+  leading tokens of the drafter's proposal at L that the stream repeats; rounds at width w start
+  while their w tokens are known, and the walk resumes where the last round ended."""
+  rng = np.random.default_rng(0)
+  drafter, widths, b = NgramSimpleDevice(size_n=1, size_m=K), (0, 1, 2, 4), 3
+  history = rng.integers(0, 5, (b, 200)).astype(np.int32)
+  first = np.asarray([10, 12, 15])
+  rs = ReplayState.init(jnp.asarray(first, jnp.int32), len(widths))
+  for hist_len in ([40, 30, 60], [90, 100, 61], [150, 160, 180]):
+    rs = replay_segment(rs, drafter.propose_at, jnp.asarray(history), jnp.asarray(hist_len, jnp.int32), widths, K,
+                        window=120, decay=1.0)
+  drafts, lengths = map(np.asarray, drafter.propose_at(jnp.asarray(history), jnp.tile(jnp.arange(200), (b, 1))))
+  for i in range(b):
+    for wi, w in enumerate(widths):
+      pos, rounds = int(first[i]), 0
+      while pos < int(rs.known[wi, i]):
+        m = 0
+        while m < lengths[i, pos] and drafts[i, pos, m] == history[i, pos + m]:
+          m += 1
+        pos, rounds = pos + 1 + min(m, w), rounds + 1
+      assert (rounds, pos) == (int(rs.rounds[wi, i]), int(rs.start[wi, i])), (i, w)
+      assert float(rs.tokens[wi, i]) == pos - first[i]
+  assert np.all(np.asarray(rs.rounds)[0] == np.asarray(rs.tokens)[0])      # width 0: one token per round
+
+
+def test_device_controller_finishes_the_batch_soonest():
+  """The device controller picks the width with the least cost x (rounds the slowest live sequence
+  still needs): one sequence with nothing to look up keeps a batch at plain decoding when drafting
+  costs more per round; alone, a well-predicted sequence drafts; a finished one does not count.
+  Before anything is replayed every width predicts one token per round (plain decoding)."""
+  costs = jnp.asarray([1.0, 1.2, 1.3, 1.6])                       # widths 0, 1, 2, 4
+  tau = jnp.asarray([[1.0, 1.0], [1.9, 1.0], [2.6, 1.05], [3.6, 1.1]])   # [W, B]: sequence 1 never matches
+  remaining = jnp.asarray([100, 100])
+  pick = lambda live: int(adapt.choose_width_device(tau, jnp.asarray(live), remaining, costs))
+  assert pick([True, True]) == 0
+  assert pick([True, False]) == 3
+  tokens, rounds = jnp.asarray([[20.0, 5.0], [30.0, 5.0]]), jnp.asarray([[20.0, 5.0], [10.0, 5.0]])  # [W=2, B]
+  prior = adapt.tau_replayed(tokens, rounds, prior_rounds=5.0)
+  pooled = 35.0 / 15.0
+  assert np.asarray(prior)[1].tolist() == pytest.approx([(30 + 5 * pooled) / 15, (5 + 5 * pooled) / 10])
+  none = adapt.tau_replayed(jnp.zeros((2, 2)), jnp.zeros((2, 2)), 8.0)
+  assert np.all(np.asarray(none) == 1.0)
+  geo = np.asarray(adapt.tau_geometric(jnp.asarray([0.5]), (0, 1, 3)))[:, 0]
+  assert geo.tolist() == pytest.approx([1.0, 1.5, 1.875])
 
 
 def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):

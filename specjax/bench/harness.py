@@ -210,7 +210,7 @@ def _adaptive_summary(runs: list[dict]) -> dict:
     for w, n, *_ in r["segments"]:
       rounds[w] = rounds.get(w, 0) + n
   return {"widths": runs[-1]["widths"], "costs_ms": runs[-1]["costs_ms"],
-          "measured_ms": runs[-1].get("measured_ms"), "learned_ms": runs[-1].get("learned_ms"),
+          "measured_ms": runs[-1].get("measured_ms"), "replayed_tau": runs[-1].get("replayed_tau"),
           "rounds_at_width": {str(w): rounds.get(w, 0) for w in runs[-1]["widths"]},
           "first_batch_segments": runs[0]["segments"]}
 

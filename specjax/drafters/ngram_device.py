@@ -51,6 +51,7 @@ class NgramSimpleDevice:
   on_device: bool = True
   taps: tuple[int, ...] = ()
   commit_free: typing.ClassVar[bool] = True   # commit changes nothing: adaptive width-0 rounds may skip the drafter
+  replayable: typing.ClassVar[bool] = True    # point-mass drafts from the history alone (`propose_at`)
 
   def __post_init__(self):
     if self.size_n < 1 or self.size_m < 1:
@@ -69,6 +70,13 @@ class NgramSimpleDevice:
   def propose(self, dparams, dstate, ctx: DraftContext):
     draft, lengths = ngram_lookup(ctx.history, ctx.hist_len, self.size_n, self.size_m, ctx.n_max, self.max_draft)
     return Draft(tokens=draft, lengths=lengths), dstate
+
+  def propose_at(self, history, at):
+    """The drafts this drafter would propose at prefix lengths at [B, T] of history [B, H]
+    -> (drafts [B, T, K], lengths [B, T]): what adaptive drafting replays (`specjax.adaptive_replay`)."""
+    k = self.max_draft
+    lookup = lambda n: ngram_lookup(history, n, self.size_n, self.size_m, jnp.full_like(n, k), k)
+    return jax.vmap(lookup, in_axes=1, out_axes=(1, 1))(at)
 
   def commit(self, dparams, dstate, result: RoundResult):
     return dstate
