@@ -1,11 +1,13 @@
-"""Issue 11: what one call of an adaptive segment costs beyond its rounds (GPU diagnosis).
+"""Issue 11: what adaptive drafting costs beyond its rounds (GPU diagnosis).
 
-In the session-5 adaptive runs on an H100 every segment took ~8.5 ms more than its rounds at the
-warm-up's per-round cost, at batch 64 and at batch 32 alike. This times `engine._adaptive_segment`
-(width 0 = plain decode steps, and width 2) with 0, 1, 8 and 32 rounds, and the plain decoding loop
-with 8 and 32 new tokens, on a SmolLM2-135M-shaped target with random weights (the cost of a call
-does not depend on the weights), so the intercept (ms per call) and the slope (ms per round) come
-apart. Run twice, with XLA's command buffers on (default) and off, to see whether they are the cost.
+In the session-5 adaptive runs on an H100 every host-driven segment took ~8.5 ms more than its
+rounds at the warm-up's per-round cost, at batch 64 and at batch 32 alike; the adaptive loop is now
+one program (`engine._adaptive_run`). This times that program with the width pinned (0 = plain
+decode steps, and 2; one segment of 1, 8 or 32 rounds), the controller choosing among widths with
+prohibitive drafting costs (so it decodes plainly, in 16-round segments with the replay and the
+width choice between them), and the plain decoding loop with 1, 8 and 32 new tokens, on a
+SmolLM2-135M-shaped target with random weights (the cost does not depend on the weights), so the
+intercept (ms per call) and the slope (ms per round) come apart. XLA_FLAGS may be varied per run.
 
   python experiments/segment_overhead.py --out DIR [--batch 64]
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/segment_overhead.py --out DIR --tag nocmdbuf
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import engine
-from specjax.stats import RoundStats
+from specjax.adaptive import AdaptiveConfig
 from specjax.bench.env import device_info, git_revision
 from specjax.decode import _decode_loop, prefill_jit
 from specjax.drafters.ngram_device import NgramSimpleDevice
@@ -70,18 +72,18 @@ def main():
   hist = a.capacity
   state, dstate = engine._spec_prefill(params, (), jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, big,
                                        cfg=cfg, drafter=drafter, capacity=a.capacity, history_len=hist)
-  stats = RoundStats.zeros(b, 8)
   copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)
   rows = []
-  for width in (0, 2):
-    seg = lambda sd, rounds, w=width: int(engine._adaptive_segment(
-        params, (), sd[0], sd[1], stats, sampling, dp, stop, big, jnp.int32(rounds),
-        cfg=cfg, drafter=drafter, rollback="per_step", width=w)[3][1])   # waits, as the adaptive loop does
+  ac = AdaptiveConfig(widths=(0, 2, 8))
+  costs = jnp.asarray([1.0, 100.0, 100.0], jnp.float32)
+  for what, force in (("pinned_w0", 0), ("pinned_w2", 1), ("controller_plain", -1)):
+    run = lambda sd, rounds, f=force: int(engine._adaptive_run(
+        params, (), sd[0], sd[1], sampling, dp, stop, big, costs, jnp.int32(f), jnp.int32(rounds),
+        cfg=cfg, drafter=drafter, rollback="per_step", ac=ac)[3][3])   # rounds run; waits
     fresh = lambda: (copy(state), copy(dstate))
-    seg(fresh(), 1)                                            # compile + first launch
-    for rounds in (0, 1, 8, 32):
-      rows.append({"what": f"segment_w{width}", "rounds": rounds,
-                   "ms": _median_ms(fresh, lambda sd: seg(sd, rounds), a.repeats)})
+    run(fresh(), 1)                                            # compile + first launch
+    for rounds in (1, 8, 32):
+      rows.append({"what": what, "rounds": rounds, "ms": _median_ms(fresh, lambda sd: run(sd, rounds), a.repeats)})
       print(rows[-1], flush=True)
   pstate = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, big, cfg=cfg,
                        capacity=a.capacity, history_len=hist)
