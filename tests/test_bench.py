@@ -108,7 +108,7 @@ def test_tiny_run_numbers_match_the_engine(tmp_path):
 
 def test_adaptive_method_reports_what_its_controller_did():
   """A bench method with adaptive drafting on records, per batch, the widths its controller ran
-  (the first rounds exploring the widest) and their measured costs; the rounds at each width add
+  and their measured costs, and the replayed tokens per round by width; the rounds at each width add
   up to the rounds of its records (batch size 1: a batch's rounds are its prompt's)."""
   if not model_path("smollm2-135m-instruct").exists():
     pytest.skip("SmolLM2 not fetched")
@@ -122,5 +122,6 @@ def test_adaptive_method_reports_what_its_controller_did():
   assert ad["widths"] == [0, 1, 2, 4] and len(ad["costs_ms"]) == 4 and all(c > 0 for c in ad["costs_ms"])
   assert ad["costs_ms"] == sorted(ad["costs_ms"])
   assert sum(ad["rounds_at_width"].values()) == sum(r["rounds"] for r in result["prompts"]["adaptive"])
-  assert ad["first_batch_segments"][0][:2] == [4, 2]
+  assert ad["first_batch_segments"][0][0] == 0   # device ngram_simple: replayed, nothing to explore first
+  assert len(ad["replayed_tau"]) == 4 and ad["replayed_tau"][0] == pytest.approx(1.0)
   assert result["summary"]["adaptive"]["overall"]["equal"] == 1.0

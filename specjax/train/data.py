@@ -259,6 +259,8 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   stop_ids = tuple(tok.eos_ids)
   bs = dc.batch_size
   n_shards = -(-dc.n_sequences // bs)
+  if all(s in done for s in range(n_shards)):   # complete: nothing to read (its prompt files may be absent here)
+    return out
   capacity = round_up(round_up(dc.max_prompt_len, PROMPT_BUCKET) + dc.max_new_tokens + 1, 64)
   synthesized = {}
   for i, src in enumerate(dc.sources):
