@@ -22,8 +22,10 @@ read -r OUTDIR EXPORT DATA_DIRS <<<"$(python3 -c "
 from specjax.train.mtp import load_spec
 s = load_spec('$CFG')
 print(s.out_dir, s.export, ' '.join([s.data.dir] + [e.dir for e in s.extra_data]))")"
-# progress bars: keep their last state only (and lines that are not bars)
-bars() { tr '\r' '\n' | grep --line-buffered -v -E '^\s*$' | grep --line-buffered -E '100%\||^[^|]*$' || true; }
+# progress bars: keep their last state only (and lines that are not bars); an error printed on the
+# line of an unfinished bar (tqdm leaves no newline) is split off first, so it is not dropped
+bars() { tr '\r' '\n' | sed -u 's/\(error: \|Traceback\)/\n\1/' | grep --line-buffered -v -E '^\s*$' \
+  | grep --line-buffered -E '100%\||^[^|]*$|error: |Error' || true; }
 # the data folders built so far -> $PERSIST/mtp2_data.tar (restored by the next stage with `tar xf`)
 persist_data() {
   local have=""
