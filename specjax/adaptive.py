@@ -8,7 +8,8 @@ finishes the batch soonest,
 
     w = argmin_w  cost(B, w) * max over live sequences i of remaining_i / tau_i(w),
 
-and a `lax.switch` runs the segment at that static width (w = 0: plain decode steps). A static batch
+and the segment runs at that static width (w = 0: plain decode steps; the body holds one while_loop
+per width, all but the chosen one running zero rounds). A static batch
 runs until its slowest sequence is done, so at batch 64 on MT-bench one sequence with nothing to
 look up keeps the round count of plain decoding (fixed n_max 2 / 8 on an H100 took 124 / 125 rounds
 against plain decoding's 128, at mean tau 1.29 / 1.45) and speculation only adds cost per round;
@@ -58,10 +59,9 @@ class AdaptiveConfig:
                                   # probability (host drafting costs time per token)
   prior_alpha: float = 0.5        # starting per-token acceptance (weight `prior_weight` rounds)
   prior_weight: float = 2.0
-  optimism: float = 0.5           # the width choice reads p_j + optimism / sqrt(n_j) (n_j: decayed draft
-                                  # positions observed), so a few early rounds with no n-gram match
-                                  # yet (batch 1 on an H100: 4 rounds) do not lock the controller
-                                  # into width 0; at batch 64 one 4-round segment brings it to ~0.03
+  optimism: float = 0.5           # host loop: the width choice reads p_j + optimism / sqrt(n_j) (n_j: decayed
+                                  # draft positions observed), so a few early rounds with no n-gram match
+                                  # yet do not lock the controller into width 0
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
   segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment, on the
@@ -134,24 +134,28 @@ def update(ast: AdaptiveState, dlen, n_acc, live, decay: float) -> AdaptiveState
   """After a round: dlen [B] verified draft lengths, n_acc [B] accepted, live [B]."""
   xp = _xp(ast.accepted)
   drafted = live & (dlen > 0)
-  acc = xp.where(drafted, decay * ast.accepted + n_acc, ast.accepted)
-  trials = xp.where(drafted, decay * ast.trials + n_acc + (n_acc < dlen), ast.trials)
+  return update_totals(ast, xp.where(drafted, n_acc, 0), xp.where(drafted, n_acc < dlen, 0), decay)
+
+
+def update_totals(ast: AdaptiveState, accepted, rejections, decay: float) -> AdaptiveState:
+  """After rounds that accepted `accepted` [B] draft tokens and rejected `rejections` [B] drafts
+  (one round, or a device-loop segment's totals); sequences with neither keep their estimate."""
+  xp = _xp(ast.accepted)
+  seen = (accepted + rejections) > 0
+  acc = xp.where(seen, decay * ast.accepted + accepted, ast.accepted)
+  trials = xp.where(seen, decay * ast.trials + accepted + rejections, ast.trials)
   return AdaptiveState(accepted=acc.astype(xp.float32), trials=trials.astype(xp.float32))
 
 
 class PositionRates:
   """Batch-wide acceptance by draft position, p_j = P(position j accepted | a draft through j was
   asked for), decayed per observation; positions nobody was asked for keep their estimate. The
-  host loop feeds it every round (`observe_round`), the device loop once per segment from the round
-  stats' running totals (`observe_totals`: position j < w was asked of every live sequence-round of
-  a segment at width w, and accepted as often as the accepted-through-position count grew)."""
+  host loop feeds it every round (`observe_round`)."""
 
   def __init__(self, k: int, ac: "AdaptiveConfig"):
     self.hits = ac.prior_weight * ac.prior_alpha ** np.arange(1, k + 1, dtype=np.float64)
     self.asked = np.full(k, ac.prior_weight, np.float64)
     self.decay = ac.decay
-    self._hits_total = np.zeros(k, np.int64)   # the stats' running totals at the last observation
-    self._seq_rounds = 0
 
   def add(self, hits, asked) -> None:
     """hits [K], asked [K]: new counts of drafts accepted through / asked for through position j."""
@@ -166,13 +170,6 @@ class PositionRates:
     live = np.asarray(live)[:, None]
     self.add(np.sum(live & (np.asarray(n_acc)[:, None] > pos), axis=0),
              np.sum(live & (np.asarray(asked)[:, None] > pos), axis=0))
-
-  def observe_totals(self, width: int, hits_total, seq_rounds_total: int) -> None:
-    """One device-loop segment at `width`, from the round stats' running totals."""
-    hits_total = np.asarray(hits_total, np.int64)
-    d_hits, d_rounds = hits_total - self._hits_total, seq_rounds_total - self._seq_rounds
-    self._hits_total, self._seq_rounds = hits_total, seq_rounds_total
-    self.add(d_hits, d_rounds * (np.arange(len(self.hits)) < width))
 
   @property
   def rates(self) -> np.ndarray:

@@ -197,8 +197,7 @@ def _rounds_at(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, r
 class _Control:
   """What the device controller carries between segments."""
   replay: ReplayState      # replayed acceptance per width (replayable drafters)
-  accepted: jax.Array      # [B] f32 decayed accepted draft tokens (other drafters: censored geometric)
-  trials: jax.Array        # [B] f32 decayed accepted tokens + rejections
+  acceptance: adapt.AdaptiveState   # censored-geometric acceptance per sequence (other drafters)
   segment: jax.Array       # [] int32 segments run
   total: jax.Array         # [] int32 rounds run
   log_width: jax.Array     # [L] int32 width index of each segment (the last slot collects the rest)
@@ -228,9 +227,8 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
   widths = ac.widths_for(k)
   replayable = bool(getattr(drafter, "replayable", False))
   window = ac.segment_rounds * (k + 1) + k + 1
-  f32 = lambda v: jnp.full((b,), v, jnp.float32)
-  ctl = _Control(replay=ReplayState.init(state.hist_len, len(widths)), accepted=f32(ac.prior_alpha * ac.prior_weight),
-                 trials=f32(ac.prior_weight), segment=jnp.int32(0), total=jnp.int32(0),
+  ctl = _Control(replay=ReplayState.init(state.hist_len, len(widths)), acceptance=adapt.AdaptiveState.init(b, ac),
+                 segment=jnp.int32(0), total=jnp.int32(0),
                  log_width=jnp.zeros((ADAPTIVE_LOG,), jnp.int32), log_rounds=jnp.zeros((ADAPTIVE_LOG,), jnp.int32))
   branches = [functools.partial(_rounds_at, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, w)
               for w in widths]
@@ -244,7 +242,7 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
       rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
       wi = adapt.choose_width_device(tau, live, remaining, costs)      # nothing replayed yet: width 0
     else:
-      tau = adapt.tau_geometric(ctl.accepted / jnp.maximum(ctl.trials, 1e-6), widths)
+      tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
       explore = ctl.segment % ac.explore_every == 0
       wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs))
       rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
@@ -258,16 +256,13 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
     state, dstate, stats = carry
     if replayable:
       replay = replay_segment(ctl.replay, drafter.propose_at, state.history, state.hist_len, widths, k, window, ac.decay)
-      accepted, trials = ctl.accepted, ctl.trials
+      acceptance = ctl.acceptance
     else:
       replay = ctl.replay
-      d_acc = (stats.acc_tokens - before.acc_tokens).astype(jnp.float32)
-      d_rej = (stats.rejected - before.rejected).astype(jnp.float32)
-      seen = (d_acc + d_rej) > 0
-      accepted = jnp.where(seen, ac.decay * ctl.accepted + d_acc, ctl.accepted)
-      trials = jnp.where(seen, ac.decay * ctl.trials + d_acc + d_rej, ctl.trials)
+      acceptance = adapt.update_totals(ctl.acceptance, stats.acc_tokens - before.acc_tokens,
+                                       stats.rejected - before.rejected, ac.decay)
     slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
-    ctl = _Control(replay=replay, accepted=accepted, trials=trials, segment=ctl.segment + 1, total=ctl.total + ran,
+    ctl = _Control(replay=replay, acceptance=acceptance, segment=ctl.segment + 1, total=ctl.total + ran,
                    log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
     return state, dstate, stats, ctl
 

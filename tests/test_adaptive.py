@@ -249,19 +249,6 @@ def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):
   assert n[0] < n[1] == K
 
 
-def test_position_rates_read_from_round_stats():
-  """The device loop's estimator: after a segment at width w, positions below w were asked of
-  every live sequence-round and accepted as often as the stats' accepted-through-position totals
-  grew; positions beyond w keep their estimate; rates never increase with position."""
-  pr = adapt.PositionRates(4, adapt.AdaptiveConfig(prior_weight=0.0, decay=1.0))
-  pr.observe_totals(4, [6, 3, 1, 0], 10)             # 10 sequence-rounds at width 4
-  assert pr.rates.tolist() == pytest.approx([0.6, 0.3, 0.1, 0.0])
-  pr.observe_totals(2, [14, 7, 1, 0], 20)      # 10 more at width 2: 8 and 4 more accepted
-  assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
-  pr.observe_totals(2, [14, 7, 1, 0], 20)      # a segment that ran no round changes nothing
-  assert pr.rates.tolist() == pytest.approx([14 / 20, 7 / 20, 0.1, 0.0])
-
-
 def test_width_choice_is_optimistic_about_rarely_seen_positions():
   """The width choice reads acceptance plus optimism / sqrt(observations): one sequence's first 4
   rounds with no accepted draft (an n-gram drafter before the answer repeats anything) leave the
@@ -272,7 +259,7 @@ def test_width_choice_is_optimistic_about_rarely_seen_positions():
   costs = np.asarray([1.0, 1.3, 1.5])
   for batch, want in ((1, 4), (64, 0)):
     pr = adapt.PositionRates(K, ac)
-    pr.observe_totals(4, [0, 0, 0, 0], 4 * batch)
+    pr.add([0, 0, 0, 0], [4 * batch] * K)             # 4 rounds of the whole batch at width 4, nothing accepted
     live = np.ones(batch, bool)
     got = WIDTHS[adapt.choose_width_np(pr.optimistic(ac.optimism), np.full(batch, K), live, WIDTHS, costs)]
     assert got == want, (batch, pr.optimistic(ac.optimism))

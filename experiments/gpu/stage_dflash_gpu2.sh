@@ -9,19 +9,12 @@
 #                                                      # after SMOKE=1 bash experiments/gpu/stage_mtp2_data.sh
 source experiments/gpu/stage_mtp2_common.sh
 if [ "${SMOKE:-0}" = 1 ]; then DF=configs/dflash_smollm2_gpu2_smoke.yaml; else DF=configs/dflash_smollm2_gpu2.yaml; fi
-read -r DF_OUTDIR DF_EXPORT <<<"$(python3 -c "
-from specjax.train.dflash import load_spec
-s = load_spec('$DF')
-print(s.out_dir, s.export)")"
+read -r DF_OUTDIR DF_EXPORT <<<"$(spec_fields dflash "$DF" out_dir export)"
 {
   echo "[dflash gpu2] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   [ -f "$PERSIST/mtp2_data.complete" ] || echo "[dflash gpu2] warning: $PERSIST/mtp2_data.complete missing: the data build may be partial"
   restore_data "dflash gpu2"
-  t0=$(date +%s)
-  set +e
-  timeout "${DF_TIMEOUT:-510}" python3 -m specjax.cli train dflash --config "$DF" --no-data --no-resume 2>&1 | bars
-  echo "[dflash gpu2] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-  set -e
+  timed_run "dflash gpu2" "${DF_TIMEOUT:-510}" python3 -m specjax.cli train dflash --config "$DF" --no-data --no-resume
   export_trained "dflash gpu2" "$DF_EXPORT" "$DF_OUTDIR" dflash_gpu2 dflash_gpu2_
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_dflash_gpu2.log"

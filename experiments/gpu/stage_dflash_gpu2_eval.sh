@@ -22,13 +22,9 @@ E3=${EAGLE3_HEAD:-assets/eagle3_smollm2_gpu2/eagle3_head.safetensors}
   [ -f "$HEAD" ] || { echo "[dflash gpu2 eval] no $HEAD: run stage_dflash_gpu2.sh first"; exit 1; }
   [ -f "$MTP" ] || echo "[dflash gpu2 eval] no MTP head $MTP: left out"
   [ -f "$E3" ] || echo "[dflash gpu2 eval] no EAGLE-3 head $E3: left out"
-  t0=$(date +%s)
-  set +e
-  timeout "${EVAL_TIMEOUT:-480}" python3 -m specjax.cli train eval-dflash --config "$DF" --head "$HEAD" \
-    --prompts "$PROMPTS" --temperatures 0,0.7 --n-max "${N_MAX:-15}" $SIZE \
+  timed_run "dflash gpu2 eval" "${EVAL_TIMEOUT:-480}" python3 -m specjax.cli train eval-dflash --config "$DF" \
+    --head "$HEAD" --prompts "$PROMPTS" --temperatures 0,0.7 --n-max "${N_MAX:-15}" $SIZE \
     $([ -f "$MTP" ] && echo "--mtp-head $MTP") $([ -f "$E3" ] && echo "--eagle3-head $E3") \
-    --out "$OUT/dflash_gpu2_eval.json" --quiet 2>&1 | bars
-  echo "[dflash gpu2 eval] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-  set -e
+    --out "$OUT/dflash_gpu2_eval.json" --quiet
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_dflash_gpu2_eval.log"

@@ -10,10 +10,7 @@
 #   SMOKE=1 bash experiments/gpu/stage_eagle3_gpu3.sh   # CPU-sized (configs/eagle3_smollm2_gpu3_smoke.yaml)
 source experiments/gpu/stage_mtp2_common.sh
 if [ "${SMOKE:-0}" = 1 ]; then E3=configs/eagle3_smollm2_gpu3_smoke.yaml; else E3=configs/eagle3_smollm2_gpu3.yaml; fi
-read -r E3_OUTDIR E3_EXPORT E3_INIT <<<"$(python3 -c "
-from specjax.train.eagle3 import load_spec
-s = load_spec('$E3')
-print(s.out_dir, s.export, s.head.init_from)")"
+read -r E3_OUTDIR E3_EXPORT E3_INIT <<<"$(spec_fields eagle3 "$E3" out_dir export head.init_from)"
 {
   echo "[eagle3 gpu3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "eagle3 gpu3"
@@ -21,11 +18,7 @@ print(s.out_dir, s.export, s.head.init_from)")"
     mkdir -p "$(dirname "$E3_INIT")" && cp "$PERSIST"/eagle3_gpu2/eagle3_head.* "$(dirname "$E3_INIT")/"
   fi
   [ -f "$E3_INIT" ] && echo "[eagle3 gpu3] starting from $E3_INIT" || echo "[eagle3 gpu3] no $E3_INIT: from scratch"
-  t0=$(date +%s)
-  set +e
-  timeout "${E3_TIMEOUT:-545}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
-  echo "[eagle3 gpu3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-  set -e
+  timed_run "eagle3 gpu3" "${E3_TIMEOUT:-545}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume
   export_trained "eagle3 gpu3" "$E3_EXPORT" "$E3_OUTDIR" eagle3_gpu3 eagle3_gpu3_
   # the new data folders stay on this machine for a later call: $PERSIST/eagle3_gpu3_data.tar
   new=$(ls -d "$E3_OUTDIR"/data_* "$E3_OUTDIR"/heldout_* 2>/dev/null || true)

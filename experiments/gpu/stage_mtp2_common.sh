@@ -26,6 +26,19 @@ print(s.out_dir, s.export, ' '.join([s.data.dir] + [e.dir for e in s.extra_data]
 # line of an unfinished bar (tqdm leaves no newline) is split off first, so it is not dropped
 bars() { tr '\r' '\n' | sed -u 's/\(error: \|Traceback\)/\n\1/' | grep --line-buffered -v -E '^\s*$' \
   | grep --line-buffered -E '100%\||^[^|]*$|error: |Error' || true; }
+# a training config's fields, space-separated: spec_fields MODULE CONFIG FIELD... (e.g. eagle3 cfg.yaml out_dir export)
+spec_fields() {
+  python3 -c "import sys; from specjax.train.$1 import load_spec; s = load_spec(sys.argv[1]); print(*[eval('s.' + f) for f in sys.argv[2:]])" "${@:2}"
+}
+# a command under a timeout, its progress bars filtered, its exit status and time logged; never fails
+timed_run() {   # timed_run TAG SECONDS CMD...
+  local tag=$1 limit=$2 t0=$(date +%s)
+  shift 2
+  set +e
+  timeout "$limit" "$@" 2>&1 | bars
+  echo "[$tag] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  set -e
+}
 # the data folders built so far -> $PERSIST/mtp2_data.tar (restored by the next stage with `tar xf`)
 persist_data() {
   local have=""

@@ -7,18 +7,11 @@
 #   SMOKE=1 bash experiments/gpu/stage_mtp2_eagle3.sh   # CPU-sized (configs/eagle3_smollm2_gpu2_smoke.yaml)
 source experiments/gpu/stage_mtp2_common.sh
 if [ "${SMOKE:-0}" = 1 ]; then E3=configs/eagle3_smollm2_gpu2_smoke.yaml; else E3=configs/eagle3_smollm2_gpu2.yaml; fi
-read -r E3_OUTDIR E3_EXPORT <<<"$(python3 -c "
-from specjax.train.eagle3 import load_spec
-s = load_spec('$E3')
-print(s.out_dir, s.export)")"
+read -r E3_OUTDIR E3_EXPORT <<<"$(spec_fields eagle3 "$E3" out_dir export)"
 {
   echo "[mtp2 eagle3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "mtp2 eagle3"
-  t0=$(date +%s)
-  set +e
-  timeout "${E3_TIMEOUT:-450}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume 2>&1 | bars
-  echo "[mtp2 eagle3] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-  set -e
+  timed_run "mtp2 eagle3" "${E3_TIMEOUT:-450}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume
   export_trained "mtp2 eagle3" "$E3_EXPORT" "$E3_OUTDIR" eagle3_gpu2 eagle3_gpu2_
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_mtp2_eagle3.log"
