@@ -183,15 +183,22 @@ def cmd_dflash(args) -> int:
   import jax.numpy as jnp
 
   from specjax.models.load import load_model
-  from specjax.train.dflash import build_data, load_spec, run_training
+  from specjax.train.dflash import build_budgeted, build_data, load_spec, run_training
+  t_start = time.perf_counter()
   spec = load_spec(args.config, **_overrides(args), train_seconds=args.train_seconds)
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   t0 = time.perf_counter()
-  if not args.no_data:   # resumable: shards already built are kept
+  built = None
+  if args.no_data:
+    pass
+  elif spec.data_budget_s is not None or spec.heldout_data:   # held-out sets, then what fits the data budget
+    spec, built = build_budgeted(spec, target, progress=not args.quiet)
+  else:   # resumable: shards already built are kept
     build_data(target, (spec.data,) + spec.extra_data, seconds=args.data_seconds, progress=not args.quiet,
                dtype_name=spec.dtype)
   data_s = time.perf_counter() - t0
-  summary = run_training(spec, target=target, resume=not args.no_resume, progress=not args.quiet)
+  summary = run_training(spec, target=target, resume=not args.no_resume, progress=not args.quiet, t_start=t_start,
+                         data_log={"seconds": round(data_s, 1), "built": built})
   summary["data_seconds"] = round(data_s, 1)
   print(json.dumps({k: summary[k] for k in ("name", "steps", "final_metrics", "seconds_this_run", "data_seconds")
                     + (("export",) if "export" in summary else ())}, indent=1))

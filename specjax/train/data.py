@@ -314,6 +314,45 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   return out
 
 
+def build_within(target, dcs, budget_s: float | None, *, progress: bool, dtype_name: str,
+                 forced=()) -> tuple[list, dict]:
+  """Build the datasets `forced` (always), then `dcs` in order (resumable: complete ones cost
+  nothing). With `budget_s` (counting `forced` too), a dataset of `dcs` that still needs generating
+  is started only while the last generated one's time fits in what is left; the ones not started
+  are left out (one with shards from an earlier run is kept).
+  -> (the datasets of `dcs` to train on, {dir: seconds or "skipped"})."""
+  t0, last, used, log = time.perf_counter(), 0.0, [], {}
+  for i, dc in enumerate(tuple(forced) + tuple(dcs)):
+    left = None if budget_s is None or i < len(forced) else budget_s - (time.perf_counter() - t0)
+    complete = dataset_complete(dc)
+    if left is not None and last > left and not complete:
+      log[dc.dir] = "skipped"
+      if (Path(dc.dir) / "manifest.json").exists() and dataset_rows(dc):
+        used.append(dc)
+      continue
+    t1 = time.perf_counter()
+    build_dataset(target, dc, progress=progress, dtype_name=dtype_name)
+    took = time.perf_counter() - t1
+    log[dc.dir] = round(took, 1)
+    if not complete:  # generated something (a complete dataset is only checked)
+      last = took
+    if i >= len(forced):
+      used.append(dc)
+  return used, log
+
+
+def dataset_rows(dc: DataConfig) -> int:
+  """Rows written so far of dataset `dc` (0 when it has no manifest)."""
+  man = Path(dc.dir) / "manifest.json"
+  return sum(sh["rows"] for sh in json.loads(man.read_text())["shards"]) if man.exists() else 0
+
+
+def dataset_complete(dc: DataConfig) -> bool:
+  """All shards of `dc` are there (prompt sets may run out before n_sequences: then the build says)."""
+  man = Path(dc.dir) / "manifest.json"
+  return man.exists() and len(json.loads(man.read_text())["shards"]) >= -(-dc.n_sequences // dc.batch_size)
+
+
 # ----------------------------------------------------------------------------------------------
 # reading
 

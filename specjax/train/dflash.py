@@ -45,6 +45,8 @@ class DrafterConfig:
   block_size: int = 16
   window: int = 256
   ffn_dim: int | None = None         # MLP width of the drafter's layers (default: the target's)
+  init_from: str | None = None       # start from this trained drafter (same taps, block, widths; it may have
+                                     # fewer layers: the extra ones start silent); skipped with a note if missing
 
   def resolve(self, cfg: ModelConfig) -> DFlashConfig:
     taps = tuple(self.taps) if self.taps else spread_taps(cfg.n_layers, self.n_taps)
@@ -82,7 +84,13 @@ class DFlashTrainSpec:
   loss: LossConfig = LossConfig()
   train: TrainConfig = TrainConfig()
   train_seconds: float | None = None  # stop (and decay the schedule) to fit this much training time
+  wall_budget_s: float | None = None  # the whole run (load, data, compilation, training, export, scoring) in
+                                      # about this long: training gets what is left (END_RESERVE_S kept)
+  data_budget_s: float | None = None  # datasets still to generate are built in order while the next one is
+                                      # predicted to fit (specjax.train.data.build_within); the rest are left out
   held_out: tuple[HeldOut, ...] = ()  # evaluation prompts whose rows are dropped from the datasets
+  heldout_data: tuple[DataConfig, ...] = ()   # built first, never trained on: the drafter is scored on them
+                                      # and on as many training rows (summary.json "heldout")
 
 
 def load_spec(path: str | Path, **overrides) -> DFlashTrainSpec:
@@ -92,6 +100,9 @@ def load_spec(path: str | Path, **overrides) -> DFlashTrainSpec:
   spec = load_train_spec(DFlashTrainSpec, path, overrides)
   if spec.loss.loss not in ("kl", "ce"):
     raise ConfigError(f"{path.name}: loss.loss must be 'kl' or 'ce', got {spec.loss.loss!r}")
+  trained = {dc.dir for dc in (spec.data,) + spec.extra_data}
+  if any(dc.dir in trained for dc in spec.heldout_data):
+    raise ConfigError(f"{path.name}: a heldout_data dir is also trained on")
   return spec
 
 
@@ -288,13 +299,69 @@ def _tree_size(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
 
 
-def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool = True, target=None) -> dict:
-  """Train the drafter of `spec` on its datasets; export it; write summary.json and the training
-  curve into out_dir; return the summary."""
+END_RESERVE_S = 30.0   # a wall budget keeps this for the export, the held-out scoring and the plot
+
+
+def warm_start(dparams: dict, path: str | Path, cfg: ModelConfig, dc: DFlashConfig) -> dict:
+  """`dparams` (a fresh init for `dc`) with the trained drafter at `path` copied in: fc, hidden_norm,
+  the MASK embedding and its layers; layers beyond the trained drafter's keep their init, whose
+  output projections are zero, so the warm-started drafter computes what the trained one computes."""
+  from specjax.drafters.dflash import load_dflash
+  old, dc0, _ = load_dflash(path, cfg, dtype=jnp.float32)
+  same = lambda a, b: (a.taps, a.block_size, a.ffn_dim or cfg.ffn_dim) == (b.taps, b.block_size, b.ffn_dim or cfg.ffn_dim)
+  if not same(dc0, dc) or dc0.n_layers > dc.n_layers:
+    raise ValueError(f"drafter.init_from {path}: {dc0} does not fit the config's drafter {dc} (taps, block_size "
+                     f"and ffn_dim must match; it may have fewer layers)")
+  out = dict(dparams)
+  for key in ("fc", "hidden_norm", "mask_embedding"):
+    out[key] = old[key]
+  out["layers"] = {i: (old["layers"][i] if i < dc0.n_layers else layer) for i, layer in dparams["layers"].items()}
+  return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), out)
+
+
+def score_blocks(loss_fn, dparams, tparams, ds, idx, batch_size: int) -> dict:
+  """The loss function's metrics (top-1 accuracy per block slot, tau_est, loss) over rows `idx` of
+  `ds`, anchors drawn with fixed keys, batch means weighted by their blocks; the last batch padded
+  with empty rows (no anchor)."""
+  fn = jax.jit(loss_fn)
+  tot, blocks = {}, 0.0
+  for b, i in enumerate(range(0, len(idx), batch_size)):
+    rows = ds.rows(np.asarray(idx[i:i + batch_size]), with_taps=False)
+    pad = batch_size - len(rows["lens"])
+    if pad:
+      rows = {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)]) for k, v in rows.items()}
+      rows["lens"][-pad:] = 1
+    loss, m = fn(dparams, tparams, {k: jnp.asarray(v) for k, v in rows.items()}, jax.random.key(b))
+    m = {**{k: float(v) for k, v in m.items()}, "loss": float(loss)}
+    for k, v in m.items():
+      if k.startswith("acc_") or k in ("tau_est", "loss"):
+        tot[k] = tot.get(k, 0.0) + m["blocks"] * v
+    blocks += m["blocks"]
+  return {**{k: round(v / max(blocks, 1.0), 4) for k, v in sorted(tot.items())}, "rows": int(len(idx)),
+          "blocks": int(blocks)}
+
+
+def build_budgeted(spec: DFlashTrainSpec, target, *, progress: bool = True) -> tuple[DFlashTrainSpec, dict]:
+  """Build the held-out datasets and the main dataset, then the extra datasets in order while
+  `data_budget_s` (counted from the start) allows (`specjax.train.data.build_within`).
+  -> (the spec restricted to the datasets built, {dir: seconds or "skipped"})."""
+  from specjax.train.data import build_within
+  extra, built = build_within(target, spec.extra_data, spec.data_budget_s, progress=progress,
+                              dtype_name=spec.dtype, forced=spec.heldout_data + (spec.data,))
+  return dataclasses.replace(spec, extra_data=tuple(extra)), built
+
+
+def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool = True, target=None,
+                 t_start: float | None = None, data_log: dict | None = None) -> dict:
+  """Train the drafter of `spec` on its datasets; export it; score it on `heldout_data`; write
+  summary.json and the training curve into out_dir; return the summary. `t_start` (perf_counter
+  seconds) is when the run began, for `wall_budget_s` (default: now); `data_log` (how the data was
+  built) goes into the summary."""
   from specjax.bench.env import device_info, git_revision
   from specjax.models.load import load_model
   from specjax.train.data import ShardDataset
 
+  t_start = time.perf_counter() if t_start is None else t_start
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
   cfg = target.cfg
@@ -302,6 +369,15 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
   dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
   ds, n_held = without_held_out(ShardDataset(dirs), target, spec.held_out)
   dparams = init_dflash(cfg, dc, seed=spec.train.seed, dtype=jnp.float32, target_params=target.params)
+  start = spec.drafter.init_from if spec.drafter.init_from and Path(spec.drafter.init_from).exists() else None
+  if spec.drafter.init_from and start is None and progress:
+    print(f"[train dflash] no drafter at {spec.drafter.init_from}: starting from scratch", flush=True)
+  if start:
+    dparams = warm_start(dparams, start, cfg, dc)
+  seconds = spec.train_seconds
+  if spec.wall_budget_s:
+    left = t_start + spec.wall_budget_s - END_RESERVE_S - time.perf_counter()
+    seconds = left if seconds is None else min(seconds, left)
   loss_fn = make_loss_fn(cfg, dc, spec.loss, dtype)
   bs = spec.loss.batch_size
   get_batch = lambda step: ds.batch(step, bs, seed=spec.train.seed, with_taps=False, max_len=spec.loss.max_len)
@@ -309,27 +385,43 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
     print(f"[train dflash] {len(ds)} rows ({n_held} held out), {ds.n_response_tokens} response tokens; "
           f"drafter {dc} of "
           f"{_tree_size(dparams) / 1e6:.2f}M params; up to {spec.train.steps} steps of {bs} rows x "
-          f"{spec.loss.anchors_per_row} blocks ({spec.dtype})", flush=True)
+          f"{spec.loss.anchors_per_row} blocks ({spec.dtype})"
+          + (f", from {start}" if start else "") + (f", {seconds:.0f} s" if seconds else ""), flush=True)
   if not resume:   # start over: old checkpoints would be resumed from by the timed chunks
     import shutil
     shutil.rmtree(Path(spec.out_dir) / "checkpoints", ignore_errors=True)
   t0 = time.perf_counter()
   res = train_within(loss_fn, dparams, target.params, get_batch, spec.train, spec.out_dir,
-                     seconds=spec.train_seconds, resume=resume, progress=progress)
+                     seconds=seconds, resume=resume, progress=progress)
   out = Path(spec.out_dir)
   logged = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
              "final_metrics": res.metrics or (logged[-1] if logged else {}),
              "seconds_this_run": round(time.perf_counter() - t0, 1),
-             "resumed_from": res.resumed_from, "drafter": dataclasses.asdict(dc),
+             "resumed_from": res.resumed_from, "init_from": start, "drafter": dataclasses.asdict(dc),
              "params": _tree_size(dparams),
              "dataset": {"dirs": dirs, "rows": len(ds), "held_out_rows": n_held,
-                         "response_tokens": ds.n_response_tokens},
+                         "response_tokens": ds.n_response_tokens, "build": data_log},
              "config": dataclasses.asdict(spec), "git_revision": git_revision(), "device": device_info(),
              "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
   if spec.export:
     w, c = save_dflash(spec.export, res.params, cfg, dc, extra={"training": summary})
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
+  held_dirs = [dc_.dir for dc_ in spec.heldout_data]
+  if held_dirs and all((Path(h) / "manifest.json").exists() for h in held_dirs):
+    held = ShardDataset(held_dirs)   # over-fitting: the same metrics on unseen rows and on as many training rows
+    n = len(held)
+    seen = np.random.default_rng(spec.train.seed).permutation(len(ds))[:n]
+    t1 = time.perf_counter()
+    summary["heldout"] = {"dirs": held_dirs,
+                          "heldout_rows": score_blocks(loss_fn, res.params, target.params, held, np.arange(n), bs),
+                          "training_rows": score_blocks(loss_fn, res.params, target.params, ds, seen, bs)}
+    summary["heldout"]["seconds"] = round(time.perf_counter() - t1, 1)
+    if progress:
+      for k in ("heldout_rows", "training_rows"):
+        m = summary["heldout"][k]
+        print(f"[train dflash] {k}: tau_est {m['tau_est']}, acc {[m[f'acc_{j:02d}'] for j in (1, 2, 3, 4, 8)]}, "
+              f"{m['rows']} rows", flush=True)
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
   if logged:
     plot_curve(out / "metrics.jsonl", out / "training_curve.png",

@@ -36,7 +36,7 @@ from specjax.drafters.eagle3 import (Eagle3Config, build_d2t, head_module, init_
 from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
 from specjax.models.layers import NEG_INF, attend
 from specjax.state import KVCache
-from specjax.train.data import DataConfig
+from specjax.train.data import DataConfig, build_within
 from specjax.train.loop import TrainConfig
 from specjax.train.mtp import _cast, _shift_left, _shift_right
 
@@ -237,45 +237,6 @@ def _measured_steps(loss_fn, tc: TrainConfig, hp, frozen, get_batch, budget_s: f
     print(f"[train eagle3] step compiled in {compile_s:.1f} s, {per_step * 1e3:.1f} ms/step: {steps} steps fit "
           f"{budget_s:.0f} s", flush=True)
   return steps
-
-
-def build_within(target, dcs, budget_s: float | None, *, progress: bool, dtype_name: str,
-                 forced=()) -> tuple[list, dict]:
-  """Build the datasets `forced` (always), then `dcs` in order (resumable: complete ones cost
-  nothing). With `budget_s` (counting `forced` too), a dataset of `dcs` that still needs generating
-  is started only while the last generated one's time fits in what is left; the ones not started
-  are left out (one with shards from an earlier run is kept).
-  -> (the datasets of `dcs` to train on, {dir: seconds or "skipped"})."""
-  from specjax.train.data import build_dataset
-  t0, last, used, log = time.perf_counter(), 0.0, [], {}
-  for i, dc in enumerate(tuple(forced) + tuple(dcs)):
-    left = None if budget_s is None or i < len(forced) else budget_s - (time.perf_counter() - t0)
-    complete = _complete(dc)
-    if left is not None and last > left and not complete:
-      log[dc.dir] = "skipped"
-      if (Path(dc.dir) / "manifest.json").exists() and _rows(dc):
-        used.append(dc)
-      continue
-    t1 = time.perf_counter()
-    build_dataset(target, dc, progress=progress, dtype_name=dtype_name)
-    took = time.perf_counter() - t1
-    log[dc.dir] = round(took, 1)
-    if not complete:  # generated something (a complete dataset is only checked)
-      last = took
-    if i >= len(forced):
-      used.append(dc)
-  return used, log
-
-
-def _rows(dc: DataConfig) -> int:
-  man = Path(dc.dir) / "manifest.json"
-  return sum(sh["rows"] for sh in json.loads(man.read_text())["shards"]) if man.exists() else 0
-
-
-def _complete(dc: DataConfig) -> bool:
-  """All shards of `dc` are there (prompt sets may run out before n_sequences: then the build says)."""
-  man = Path(dc.dir) / "manifest.json"
-  return man.exists() and len(json.loads(man.read_text())["shards"]) >= -(-dc.n_sequences // dc.batch_size)
 
 
 def score_rows(loss_fn, hp, frozen, ds, idx, batch_size: int) -> dict:
