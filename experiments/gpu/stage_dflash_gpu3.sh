@@ -9,11 +9,13 @@
 # dflash.safetensors`) and its JSON, metrics.jsonl, the training curve, the summary, the log. The new
 # data folders stay on the machine in /root/persist/dflash_gpu3_data.tar.
 #   bash experiments/gpu/stage_dflash_gpu3.sh
+#   DF=configs/dflash_smollm2_gpu3b.yaml bash experiments/gpu/stage_dflash_gpu3.sh   # a second round, same machine
 #   SMOKE=1 bash experiments/gpu/stage_dflash_gpu3.sh   # CPU-sized (configs/dflash_smollm2_gpu3_smoke.yaml),
 #                                                      # after SMOKE=1 bash experiments/gpu/stage_mtp2_data.sh
 source experiments/gpu/stage_mtp2_common.sh
-if [ "${SMOKE:-0}" = 1 ]; then DF=configs/dflash_smollm2_gpu3_smoke.yaml; else DF=configs/dflash_smollm2_gpu3.yaml; fi
-read -r DF_OUTDIR DF_EXPORT DF_INIT <<<"$(spec_fields dflash "$DF" out_dir export drafter.init_from)"
+if [ "${SMOKE:-0}" = 1 ]; then DF=${DF:-configs/dflash_smollm2_gpu3_smoke.yaml}; else DF=${DF:-configs/dflash_smollm2_gpu3.yaml}; fi
+read -r DF_NAME DF_OUTDIR DF_EXPORT DF_INIT <<<"$(spec_fields dflash "$DF" name out_dir export drafter.init_from)"
+TAG=dflash_${DF_NAME#dflash_smollm2_}   # dflash_gpu3, dflash_gpu3b: the /root/persist folder and the $OUT prefix
 {
   echo "[dflash gpu3] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "dflash gpu3"
@@ -22,12 +24,12 @@ read -r DF_OUTDIR DF_EXPORT DF_INIT <<<"$(spec_fields dflash "$DF" out_dir expor
   fi
   [ -f "$DF_INIT" ] && echo "[dflash gpu3] starting from $DF_INIT" || echo "[dflash gpu3] no $DF_INIT: from scratch"
   timed_run "dflash gpu3" "${DF_TIMEOUT:-550}" python3 -m specjax.cli train dflash --config "$DF" --no-resume
-  export_trained "dflash gpu3" "$DF_EXPORT" "$DF_OUTDIR" dflash_gpu3 dflash_gpu3_
+  export_trained "$TAG" "$DF_EXPORT" "$DF_OUTDIR" "$TAG" "${TAG}_"
   # $OUT takes files up to 16 MiB: the drafter comes back in parts
   for f in "$OUT"/*.safetensors; do
     [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 15728640 ] && split -b 15M -d "$f" "$f.part" && rm "$f"
   done
   new=$(ls -d "$DF_OUTDIR"/data_* "$DF_OUTDIR"/heldout_* 2>/dev/null || true)
-  [ -n "$new" ] && tar cf "$PERSIST/dflash_gpu3_data.tar" $new && echo "[dflash gpu3] new data: $(du -sh "$PERSIST/dflash_gpu3_data.tar" | cut -f1)"
+  [ -n "$new" ] && tar cf "$PERSIST/${TAG}_data.tar" $new && echo "[dflash gpu3] new data: $(du -sh "$PERSIST/dflash_gpu3_data.tar" | cut -f1)"
   ls -la "$OUT"
-} 2>&1 | tee "$OUT/stage_dflash_gpu3.log"
+} 2>&1 | tee "$OUT/stage_$TAG.log"
