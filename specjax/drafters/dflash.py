@@ -213,8 +213,10 @@ class DFlashDrafter:
     keys = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(self.seed), i)))(jnp.arange(b))
     return DFlashState(window=window, keys=keys, base=jnp.asarray(prompt_lens, jnp.int32))
 
-  def logits(self, dparams, dstate: DFlashState, last, target_len) -> jax.Array:
-    """The drafter's logits [B, max_draft, V] for the tokens at target_len + 1 ..."""
+  def logits(self, dparams, dstate: DFlashState, last, target_len, n_positions: int | None = None) -> jax.Array:
+    """The drafter's logits [B, n, V] for the tokens at target_len + 1 .. target_len + n
+    (n = n_positions <= block_size - 1, default max_draft)."""
+    n = self.max_draft if n_positions is None else n_positions
     tp, dp = dparams["target"], dparams["dflash"]
     b, bk = last.shape[0], self.dc.block_size
     x = block_inputs(dp, tp, self.cfg, self.dc, last)                              # [B, Bk, D]
@@ -223,7 +225,7 @@ class DFlashDrafter:
     mask = jnp.concatenate([jnp.broadcast_to(win.valid[:, None, :], (b, bk, win.size)),
                             jnp.ones((b, bk, bk), bool)], axis=2)                 # [B, Bk, W + Bk]
     h = model_of(dp, self.cfg, self.dc)(x, positions, win.feats, win.pos, mask)    # [B, Bk, D]
-    return logits_from_prenorm(tp, self.cfg, h[:, 1:self.max_draft + 1])          # [B, K, V]
+    return logits_from_prenorm(tp, self.cfg, h[:, 1:n + 1])                       # [B, n, V]
 
   def propose(self, dparams, dstate: DFlashState, ctx: DraftContext) -> tuple[Draft, DFlashState]:
     b, k = ctx.last.shape[0], self.max_draft
@@ -322,18 +324,25 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
   return out, dc, meta
 
 
-def make_dflash_drafter(target, head, draft_params=None, *, block_size: int | None = None, seed: int = 0,
-                        window: int | None = None) -> DFlashDrafter:
-  """The `dflash` speculator for a loaded target and a trained drafter (path, or (params, config)).
-  max_draft = the largest n_max of `draft_params` (default block_size - 1); `block_size` and
-  `window` override the trained ones (drafting with a shorter block than trained is allowed)."""
+def drafter_for_target(target, head, *, block_size: int | None = None,
+                       window: int | None = None) -> tuple[dict, DFlashConfig]:
+  """(drafter params in the target's dtype, DFlashConfig with `block_size` / `window` overrides) of
+  a trained drafter (path, or (params, config)) for a loaded target."""
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   if isinstance(head, (str, Path)):
     dparams, dc, _ = load_dflash(head, target.cfg, dtype=dtype)
   else:
     dparams, dc = head
     dparams = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), dparams)
-  dc = dataclasses.replace(dc, block_size=block_size or dc.block_size, window=window or dc.window)
+  return dparams, dataclasses.replace(dc, block_size=block_size or dc.block_size, window=window or dc.window)
+
+
+def make_dflash_drafter(target, head, draft_params=None, *, block_size: int | None = None, seed: int = 0,
+                        window: int | None = None) -> DFlashDrafter:
+  """The `dflash` speculator for a loaded target and a trained drafter (path, or (params, config)).
+  max_draft = the largest n_max of `draft_params` (default block_size - 1); `block_size` and
+  `window` override the trained ones (drafting with a shorter block than trained is allowed)."""
+  dparams, dc = drafter_for_target(target, head, block_size=block_size, window=window)
   n_max = dc.block_size - 1
   if draft_params is not None:
     n_max = int(np.max(np.asarray(draft_params.n_max)))

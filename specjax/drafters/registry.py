@@ -15,6 +15,8 @@ HOST_SPECULATORS = {
 MODEL_SPECULATORS = ("draft", "mtp", "draft_tree")
 MODEL_SPECULATORS += ("eagle3", "eagle3_tree")      # EAGLE-3 heads (--head PATH): chain / EAGLE-2 tree
 MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--head PATH; options block_size, window)
+MODEL_SPECULATORS += ("dflash_tree",)               # DFlash pass -> best-first token tree (--head PATH; node budget
+                                                    # n_max; options depth, top_k, block_size, window)
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 
 
@@ -73,6 +75,12 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
       raise ValueError("speculator 'dflash' needs a trained DFlash drafter (--head PATH)")
     return make_dflash_drafter(target, head, draft_params,
                                **{k: v for k, v in opts.items() if k in ("block_size", "window", "seed")})
+  if name == "dflash_tree":   # one DFlash pass drafts a tree: n_max nodes, depth <= block_size - 1
+    from specjax.drafters.dflash_tree import make_dflash_tree_drafter
+    if head is None:
+      raise ValueError("speculator 'dflash_tree' needs a trained DFlash drafter (--head PATH)")
+    return make_dflash_tree_drafter(target, head, draft_params, **{k: v for k, v in opts.items()
+                                                                   if k in ("depth", "top_k", "block_size", "window", "seed")})
   return _host(name, {k: v for k, v in opts.items() if k != "device"})
 
 

@@ -1,0 +1,121 @@
+"""`dflash_tree`: one DFlash pass drafts a token tree instead of a chain.
+
+A DFlash pass (`specjax/drafters/dflash.py`) gives, for the next `depth` tokens, distributions
+q_1 .. q_depth that all read only the committed context: independent per-position marginals. The
+tree spends a node budget on the likeliest continuations under their product, EAGLE-2's best-first
+way (`Eagle3TreeDrafter.propose_tree`, without model steps: every node's children come from the
+same marginal of the next position):
+
+  level 1       the top_k tokens of q_1;
+  level l > 1   the frontier (the top_k best paths of level l-1) x the top_k tokens of q_l,
+                scored by the path's summed log-probability;
+
+then the best `max_draft` nodes of all levels. Scores only fall along a path and a parent sits
+before its children in the pool (ties go to the lower index), so the chosen nodes are closed
+under taking prefixes: a tree. Nodes are put in topological order and their parents remapped.
+
+The candidates are a function of the context only (no sampling), so they go to verification with
+q = None (one-hot): lossless for greedy and for sampled targets (`specjax/tree.py`). `commit` is
+DFlash's: the engine hands back the target's taps along [last, accepted path...], the committed
+positions base .. base + n_accepted, exactly what a chain's accepted prefix gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import DraftContext
+from specjax.drafters.dflash import DFlashDrafter, DFlashState, drafter_for_target
+from specjax.sampling import split_keys
+from specjax.tree import TreeDraft
+
+
+def n_candidates(depth: int, top_k: int) -> int:
+  """Nodes of the pool the budget is taken from: top_k at level 1, top_k^2 at every later level."""
+  return top_k + (depth - 1) * top_k * top_k
+
+
+def best_first_tree(level_logprobs: jax.Array, top_k: int, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Best-first tree over independent per-position log-probabilities [B, D, V] (position l = the
+  token at depth l). Returns (tokens [B, T], parents [B, T] (-1 = child of the root), scores [B, T]
+  summed log-probabilities) of the best T = `budget` pool nodes, in topological order."""
+  b, depth, _ = level_logprobs.shape
+  kk = top_k
+  tok_score, tok_id = jax.lax.top_k(level_logprobs, kk)                             # [B, D, k] per position
+  f_score = tok_score[:, 0]                                                         # [B, k] frontier: level 1
+  f_pool = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32)[None], (b, kk))        # its nodes' pool indices
+  pool_tok, pool_score, pool_parent = [tok_id[:, 0]], [f_score], [jnp.full((b, kk), -1, jnp.int32)]
+  offset = kk
+  for lvl in range(1, depth):
+    c_score = (f_score[:, :, None] + tok_score[:, lvl][:, None, :]).reshape(b, kk * kk)   # [B, k*k]: f * k + j
+    pool_tok.append(jnp.tile(tok_id[:, lvl], (1, kk)))                              # [B, k*k] child j's token
+    pool_score.append(c_score)
+    pool_parent.append(jnp.repeat(f_pool, kk, axis=1))                              # [B, k*k] frontier node f
+    if lvl < depth - 1:
+      f_score, pick = jax.lax.top_k(c_score, kk)                                    # [B, k] next frontier
+      f_pool = offset + pick
+    offset += kk * kk
+  pool_tok, pool_score, pool_parent = (jnp.concatenate(x, axis=1) for x in (pool_tok, pool_score, pool_parent))
+  _, chosen = jax.lax.top_k(pool_score, budget)                                     # ties: lower (parent) index first
+  chosen = jnp.sort(chosen, axis=1)                                                 # [B, T] topological order
+  rows = jnp.arange(b)[:, None]
+  slot_of = jnp.full(pool_score.shape, -1, jnp.int32).at[rows, chosen].set(jnp.arange(budget, dtype=jnp.int32)[None])
+  par_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)                       # [B, T]
+  parents = jnp.where(par_pool < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(par_pool, 0), axis=1))
+  tokens = jnp.take_along_axis(pool_tok, chosen, axis=1).astype(jnp.int32)         # [B, T]
+  return tokens, parents.astype(jnp.int32), jnp.take_along_axis(pool_score, chosen, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTreeDrafter(DFlashDrafter):
+  """A DFlash drafter whose pass drafts a best-first tree: `depth` levels (<= block_size - 1),
+  `top_k` children per expanded node, the best `max_draft` candidates (the node budget). The
+  per-sequence n_max keeps the first n_max nodes in topological order (still a tree); p_min is
+  not used."""
+  max_draft: int = 32             # node budget
+  depth: int = 8
+  top_k: int = 8
+  name: str = "dflash_tree"
+  proposes_tree = True            # class attribute: the engine verifies a TreeDraft
+
+  def __post_init__(self):
+    if not 1 <= self.depth <= self.dc.block_size - 1:
+      raise ValueError(f"depth {self.depth} must be in [1, block_size - 1 = {self.dc.block_size - 1}]: one pass "
+                       f"drafts block_size - 1 positions (lower depth or raise block_size)")
+    if not 1 <= self.top_k <= self.cfg.vocab_size:
+      raise ValueError(f"top_k must be in [1, vocab size {self.cfg.vocab_size}], got {self.top_k}")
+    if not 1 <= self.max_draft <= n_candidates(self.depth, self.top_k):
+      raise ValueError(f"node budget n_max {self.max_draft} must be in [1, {n_candidates(self.depth, self.top_k)}], "
+                       f"the candidates of depth {self.depth}, top_k {self.top_k} (top_k + (depth - 1) * top_k^2)")
+
+  @property
+  def max_depth(self) -> int:
+    """Deepest node of a tree (the engine's accepted paths are [B, max_depth] wide)."""
+    return self.depth
+
+  def propose(self, dparams, dstate: DFlashState, ctx: DraftContext) -> tuple[TreeDraft, DFlashState]:
+    logits = self.logits(dparams, dstate, ctx.last, ctx.target_len, n_positions=self.depth)   # [B, D, V]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # [B, D, V]
+    tokens, parents, _ = best_first_tree(logp, self.top_k, self.max_draft)          # [B, T] x2
+    keys, _ = split_keys(dstate.keys)                                               # the sampler stream moves as the chain's
+    n_nodes = jnp.clip(ctx.n_max, 0, self.max_draft).astype(jnp.int32)
+    return (TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes),
+            dataclasses.replace(dstate, keys=keys, base=ctx.target_len))
+
+
+def make_dflash_tree_drafter(target, head, draft_params=None, *, depth: int = 8, top_k: int = 8,
+                             block_size: int | None = None, window: int | None = None,
+                             seed: int = 0) -> DFlashTreeDrafter:
+  """The `dflash_tree` speculator for a loaded target and a trained DFlash drafter (path, or
+  (params, config)). Node budget = the largest n_max of `draft_params` (default min(32, the
+  candidates)); `block_size` and `window` override the trained ones."""
+  dparams, dc = drafter_for_target(target, head, block_size=block_size, window=window)
+  budget = min(32, n_candidates(depth, top_k))
+  if draft_params is not None:
+    budget = int(np.max(np.asarray(draft_params.n_max)))
+  return DFlashTreeDrafter(cfg=target.cfg, dc=dc, max_draft=budget, depth=depth, top_k=top_k, seed=seed,
+                           weights={"dflash": dparams, "target": target.params})
