@@ -207,9 +207,10 @@ class _Control:
 ADAPTIVE_LOG = 512
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "ac"), donate_argnames=("state", "dstate"))
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback", "ac", "keep"),
+                   donate_argnames=("state", "dstate"))
 def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, costs, force, max_rounds, *,
-                  cfg, drafter, rollback, ac):
+                  cfg, drafter, rollback, ac, keep=None):
   """Adaptive drafting in one jitted program: a while_loop over segments; before each, the
   controller picks the width that finishes the batch soonest (`adapt.choose_width_device`) from
   the round costs [W] (ms, measured in the warm-up) and per-sequence expected tokens per round, and
@@ -222,9 +223,13 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
   segment, plain decoding included, so nothing needs exploring), otherwise from the censored-geometric
   acceptance per sequence, refreshed by a short segment at the widest width every
   `ac.explore_every` segments. `force` >= 0 pins the width index and runs one segment of
-  `max_rounds` rounds (the warm-up's timing); `max_rounds` caps the rounds of the run."""
+  `max_rounds` rounds (the warm-up's timing); `max_rounds` caps the rounds of the run. `keep`: the
+  indices of `ac.widths_for(K)` left by `adapt.prune_widths` (costs [len(keep)]); one width left is
+  the fixed loop at that width, with no segments."""
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
+  if keep is not None:
+    widths = tuple(widths[i] for i in keep)
   replayable = bool(getattr(drafter, "replayable", False))
   window = ac.segment_rounds * (k + 1) + k + 1
   ctl = _Control(replay=ReplayState.init(state.hist_len, len(widths)), acceptance=adapt.AdaptiveState.init(b, ac),
@@ -232,6 +237,10 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
                  log_width=jnp.zeros((ADAPTIVE_LOG,), jnp.int32), log_rounds=jnp.zeros((ADAPTIVE_LOG,), jnp.int32))
   branches = [functools.partial(_rounds_at, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, w)
               for w in widths]
+  if len(widths) == 1:   # nothing to choose: the fixed loop
+    state, dstate, stats, ran = branches[0](max_rounds, (state, dstate, RoundStats.zeros(b, k)))
+    return state, dstate, stats, (ctl.log_width, ctl.log_rounds.at[0].set(ran), jnp.int32(1), ran,
+                                  jnp.zeros((1,), jnp.float32))
 
   def body(carry):
     state, dstate, stats, ctl = carry
@@ -240,11 +249,11 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
     if replayable:
       tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
       rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
-      wi = adapt.choose_width_device(tau, live, remaining, costs)      # nothing replayed yet: width 0
+      wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
     else:
       tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
       explore = ctl.segment % ac.explore_every == 0
-      wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs))
+      wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
       rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
     wi = jnp.where(force >= 0, force, wi).astype(jnp.int32)
     rounds = jnp.minimum(jnp.where(force >= 0, max_rounds, rounds), max_rounds - ctl.total)
@@ -328,23 +337,26 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
                                     rollback=rollback, ac=ac, timed=measure)
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
+  kept, kept_costs = adapt.prune_widths(widths, costs, ac.tie)
+  keep = tuple(widths.index(w) for w in kept)
   state, dstate, stats, probe = _adaptive_run(params, dparams, state, dstate, sampling, dp, stop, max_new,
-                                              jnp.asarray(costs, jnp.float32), jnp.int32(-1), jnp.int32(2 ** 30),
-                                              cfg=cfg, drafter=drafter, rollback=rollback, ac=ac)
+                                              jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1), jnp.int32(2 ** 30),
+                                              cfg=cfg, drafter=drafter, rollback=rollback, ac=ac, keep=keep)
   log_w, log_r, n_seg, _, tau = jax.device_get(probe)
   n = min(int(n_seg), ADAPTIVE_LOG)
   segments: list[list[int]] = []
   for wi, r in zip(log_w[:n], log_r[:n]):
     if r <= 0:
       continue
-    if segments and segments[-1][0] == int(widths[wi]):
+    if segments and segments[-1][0] == int(kept[wi]):
       segments[-1][1] += int(r)
     else:
-      segments.append([int(widths[wi]), int(r)])
-  record = {"widths": list(widths), "costs_ms": [float(c) for c in costs],
+      segments.append([int(kept[wi]), int(r)])
+  record = {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs], "widths_timed": list(widths),
             "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
             "segments": segments, "n_segments": int(n_seg),
-            "replayed_tau": ([round(float(t), 4) for t in tau] if getattr(drafter, "replayable", False) else None)}
+            "replayed_tau": ([round(float(t), 4) for t in tau]
+                             if getattr(drafter, "replayable", False) and len(kept) > 1 else None)}
   return state, dstate, stats, record
 
 

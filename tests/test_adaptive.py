@@ -89,7 +89,8 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   """Device loop (draft model; device ngram_simple, whose acceptance is replayed) and host loop
   (ngram_simple), batch 3: greedy output identical to plain decoding whatever widths the controller
   picks; with prohibitive costs most rounds are plain decode steps (the draft model's drafts are
-  verified only in the periodic exploration segments, the replayed drafter's never)."""
+  verified only in the periodic exploration segments, the replayed drafter's never); with flat
+  costs the device loop prunes every narrower width and is the fixed loop at the widest."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
@@ -100,9 +101,13 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
     res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac)
     assert res.tokens == plain, d.name
     rec = res.stats.adaptive      # [width, rounds(, ms)] runs: they add up to the rounds the loop ran
-    assert rec["widths"] == list(WIDTHS) and rec["costs_ms"] == pytest.approx(costs)
     assert sum(s[1] for s in rec["segments"]) == max(res.stats.per_seq_rounds), rec
     replayed = getattr(d, "replayable", False)
+    if d.on_device and costs[0] == costs[-1]:   # flat: one width left, no segments
+      assert rec["widths"] == [WIDTHS[-1]] and rec["widths_timed"] == list(WIDTHS), rec
+      assert rec["segments"] == [[WIDTHS[-1], max(res.stats.per_seq_rounds)]] and res.stats.gen_tokens > 0, rec
+      continue
+    assert rec["widths"] == list(WIDTHS) and rec["costs_ms"] == pytest.approx(costs)
     if d.on_device:   # the first rounds explore the widest width, unless every width is replayed
       assert rec["segments"][0][0] == (0 if replayed else WIDTHS[-1]), rec
     if costs[1] >= 50 and replayed:
@@ -164,8 +169,8 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
 
 def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   """The device loop's warm-up times whole rounds at every width and caches them for this shape
-  (one positive ms per round per width, kept as timed), so the timed run's controller uses them;
-  generation stays lossless."""
+  (one positive ms per round per width, kept as timed), so the timed run's controller uses them
+  (on the widths they do not prune); generation stays lossless."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), segment_rounds=3)
@@ -179,8 +184,10 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
-  rec = res.stats.adaptive   # the controller ran on the warm-up's timings
-  assert len(rec["measured_ms"]) == 4 and rec["costs_ms"] == pytest.approx(measured.tolist())
+  rec = res.stats.adaptive   # the controller ran on the warm-up's timings, less the widths they prune
+  kept, kept_costs = adapt.prune_widths(ac.widths_for(K), measured, ac.tie)
+  assert len(rec["measured_ms"]) == 4 and rec["widths"] == list(kept)
+  assert rec["costs_ms"] == pytest.approx(kept_costs.tolist())
 
 
 def test_replay_counts_the_rounds_speculation_would_take():
@@ -221,6 +228,10 @@ def test_device_controller_finishes_the_batch_soonest():
   pick = lambda live: int(adapt.choose_width_device(tau, jnp.asarray(live), remaining, costs))
   assert pick([True, True]) == 0
   assert pick([True, False]) == 3
+  near = jnp.asarray([1.0, 1.02, 1.3, 1.6])                        # width 1 within 3% of plain decoding's time
+  assert int(adapt.choose_width_device(tau, jnp.asarray([True, True]), remaining, near * jnp.asarray([1, 1.0, 1, 1]),
+                                       tie=0.03)) == 1                # ties go to the wider width
+  assert int(adapt.choose_width_device(tau, jnp.asarray([True, True]), remaining, near, tie=0.01)) == 0
   tokens, rounds = jnp.asarray([[20.0, 5.0], [30.0, 5.0]]), jnp.asarray([[20.0, 5.0], [10.0, 5.0]])  # [W=2, B]
   prior = adapt.tau_replayed(tokens, rounds, prior_rounds=5.0)
   pooled = 35.0 / 15.0
@@ -229,6 +240,16 @@ def test_device_controller_finishes_the_batch_soonest():
   assert np.all(np.asarray(none) == 1.0)
   geo = np.asarray(adapt.tau_geometric(jnp.asarray([0.5]), (0, 1, 3)))[:, 0]
   assert geo.tolist() == pytest.approx([1.0, 1.5, 1.875])
+
+
+def test_pruned_widths_are_those_no_wider_width_matches_within_the_tie():
+  """A width goes when some wider width costs at most (1 + tie) times as much per round; the widest
+  always stays; with costs rising steeply nothing goes."""
+  ws = (0, 1, 2, 4, 8)
+  assert adapt.prune_widths(ws, [1.30, 1.20, 1.22, 1.168, 1.169], 0.03)[0] == (8,)        # batch 1 on an H100
+  assert adapt.prune_widths(ws, [1.22, 1.44, 1.57, 1.79, 2.25], 0.03)[0] == ws             # batch 64
+  kept, c = adapt.prune_widths(ws, [1.0, 1.02, 1.3, 1.6, 2.0], 0.03)
+  assert kept == (1, 2, 4, 8) and c.tolist() == pytest.approx([1.02, 1.3, 1.6, 2.0])
 
 
 def test_device_drafts_fill_the_width_when_verification_is_free(tiny_llama):
