@@ -17,8 +17,8 @@ from specjax.drafters.registry import ALL, HOST_SPECULATORS
 METRICS = ("tokens_per_s", "mean_tokens_per_s", "speedup")
 STRATEGIES = ("random", "halving")
 DEFAULT_METHOD = MethodConfig(name="default", speculator="ngram_simple")
-HEAD_SPECULATORS = ("mtp", "eagle3", "eagle3_tree", "dflash")   # need `head` choices (trained head files)
-TREE_SPECULATORS = ("eagle3_tree", "draft_tree")                 # set their own budget: no adaptive lengths
+HEAD_SPECULATORS = ("mtp", "eagle3", "eagle3_tree", "dflash", "dflash_tree")   # need `head` choices (trained files)
+TREE_SPECULATORS = ("eagle3_tree", "draft_tree", "dflash_tree")  # set their own budget: no adaptive lengths
 
 
 class TuneError(RuntimeError):
