@@ -25,14 +25,12 @@ forward-only first estimate). tau_i(w), expected tokens per round:
   per segment, tau = 1 + alpha + .. + alpha^w; positions beyond the chosen width get no evidence, so
   the first segment and every `explore_every`-th is a short one (`explore_rounds`) at the widest width.
 
-Widths within `tie` (3%) of the best predicted time tie and the widest wins (estimates from the stream
-so far understate wide widths: a match longer than any seen counts only once it happens), and before
-the run every width that some wider width matches in cost per round within the tie is pruned
+Ties in predicted time go to the widest width (within `tie`, default exact ties only: estimates from
+the stream so far understate wide widths, but a 3% tie cost batch 32 6% on an H100), and before the
+run every width that a wider width matches in cost per round (within the tie) is pruned
 (`prune_widths`): a wider chain drafts at least the tokens a narrower one would. At batch 1 on an
-H100 every round cost about the same at any width (width 8: 1.17 ms, width 0: 1.30 ms timed), so
-the controller had chosen width 4 whenever the stream so far showed no match longer than 4 tokens,
-and the program paid a while_loop per width and the per-segment replay (batch 1: 1,064 tok/s vs
-fixed n_max 8's 1,214, 6023ba2); now it is the fixed width-8 loop.
+H100 width 8 timed cheaper per round than widths 0-2 (1.15 vs 1.22-1.26 ms), so those go; with every
+width but one pruned the program is the fixed loop at that width, with no segments.
 
 History of the device loop on an H100 (issue 11): the geometric model for n-gram drafters
 over-predicted wide widths (kept width 8: 15.5k tok/s at batch 64 where n_max 2 gave 21.4k); a
@@ -80,9 +78,10 @@ class AdaptiveConfig:
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
                                   # the first segment, then one every `explore_every` segments
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
-  tie: float = 0.03               # device loop: widths whose predicted time is within this fraction of the best
+  tie: float = 0.0                # device loop: widths whose predicted time is within this fraction of the best
                                   # tie, and the widest of them is chosen; a width is pruned when a wider one
-                                  # costs at most (1 + tie) times as much per round (`prune_widths`)
+                                  # costs at most (1 + tie) times as much per round (`prune_widths`). 0.03
+                                  # cost batch 32 6% on an H100 (width 1 for 230 of 246 rounds: 0.941x plain)
 
   def widths_for(self, k: int) -> tuple[int, ...]:
     if self.widths is not None:
@@ -343,10 +342,10 @@ def choose_width_device(tau, live, remaining, costs, tie: float = 0.0):
 def prune_widths(widths: tuple[int, ...], costs, tie: float) -> tuple[tuple[int, ...], np.ndarray]:
   """The widths worth a place in the device loop, and their costs: width w goes when a wider one
   costs at most (1 + tie) times as much per round, since a wider chain drafts at least the tokens
-  a narrower one would, so it is never worse by more than that. At batch 1 on an H100 a round at
-  width 8 cost what one at width 0 cost (1.17 vs 1.30 ms, timed): every narrower width goes and the
-  loop is the fixed width-8 loop, without the per-segment replay and width choice. Every width left
-  is a while_loop in the program (and a command buffer to update per call)."""
+  a narrower one would, so it is never worse by more than that. At batch 1 on an H100 rounds at
+  widths 0-2 timed dearer than at width 8 (1.22-1.26 vs 1.15 ms): they go. Every width left is a
+  while_loop in the program (and a command buffer to update per call); one width left is the fixed
+  loop, without the per-segment replay and width choice."""
   c = np.asarray(costs, np.float64)
   keep = [i for i in range(len(widths)) if not any(c[j] <= c[i] * (1.0 + tie) for j in range(i + 1, len(widths)))]
   return tuple(widths[i] for i in keep), np.asarray([costs[i] for i in keep], np.float32)

@@ -50,9 +50,11 @@ def test_committed_bench_configs_parse():
 
 
 @pytest.mark.real
-def test_tiny_run_numbers_match_the_engine(tmp_path):
-  """Run plain + ngram_simple on 2 MT-bench questions x 2 turns; every per-prompt record must equal
-  what the engine returns for the same tokens, and the summary must be the aggregate of them."""
+@pytest.mark.parametrize("interleave", [False, True])
+def test_tiny_run_numbers_match_the_engine(tmp_path, interleave):
+  """Run plain + ngram_simple on 2 MT-bench questions x 2 turns, method after method or batch by
+  batch (interleave); every per-prompt record must equal what the engine returns for the same
+  tokens, and the summary must be the aggregate of them."""
   if not model_path("smollm2-135m-instruct").exists():
     pytest.skip("SmolLM2 not fetched")
   from specjax.bench.harness import PLAIN, run_experiment, _messages
@@ -63,7 +65,7 @@ def test_tiny_run_numbers_match_the_engine(tmp_path):
   from specjax.engine import speculative_generate
   from specjax.models.load import load_model
 
-  cfg = config_from_dict(TINY)
+  cfg = config_from_dict({**TINY, "interleave": interleave})
   result = json.loads(json.dumps(run_experiment(cfg, progress=False)))   # what lands in the file
   recs = result["prompts"]
   assert len(recs[PLAIN]) == len(recs["ngram"]) == 4

@@ -53,6 +53,8 @@ class ExperimentConfig:
   max_new_tokens: int = 256
   batch_size: int = 1
   repeats: int = 1
+  interleave: bool = False                          # run every method on a batch before the next batch (the
+                                                    # methods share the machine's drift over the run)
   seed: int = 0
   capacity: int | None = None
   chat: bool = True

@@ -136,39 +136,46 @@ def _messages(question: Question, answers: list[str], turn: int) -> list[dict]:
 
 def run_method(cfg: ExperimentConfig, target, method: MethodConfig | None, questions: list[Question],
                draft_model_cache: dict, bar=None) -> list[PromptRecord]:
-  name = PLAIN if method is None else method.name
   runner = _Runner(cfg, target, method, draft_model_cache)
-  tok = target.tokenizer
   records = []
   for start in range(0, len(questions), cfg.batch_size):
-    batch = questions[start: start + cfg.batch_size]
-    answers: dict[int, list[str]] = {i: [] for i in range(len(batch))}
-    n_turns = min(cfg.turns, max(len(q.turns) for q in batch))
-    for turn in range(n_turns):
-      idx = [i for i, q in enumerate(batch) if turn < len(q.turns)]
-      prompts = []
-      for i in idx:
-        msgs = _messages(batch[i], answers[i], turn)
-        prompts.append(tok.encode_chat(msgs) if cfg.chat else tok.encode(msgs[-1]["content"]))
-      r = runner.run(prompts)
-      share = r.seconds / len(idx)   # each prompt of a batch gets an equal share of its wall time
-      for j, i in enumerate(idx):
-        q = batch[i]
-        answers[i].append(tok.decode(r.tokens[j]))
-        rec = PromptRecord(method=name, question_id=q.question_id, category=q.category, turn=turn,
-                           new_tokens=len(r.tokens[j]), seconds=share, tokens=r.tokens[j],
-                           batch_seconds=r.seconds)
-        if method is not None:
-          st = r.stats
-          rec.rounds, rec.acc_tokens = st.per_seq_rounds[j], st.per_seq_acc_tokens[j]
-          rec.gen_tokens, rec.emitted = st.per_seq_gen_tokens[j], st.per_seq_emitted[j]
-          rec.draft_seconds = st.draft_seconds
-          rec.adaptive = st.adaptive if j == 0 else None
-          if len(idx) == 1:   # per-position counts are per batch; kept when the batch is one prompt
-            rec.drafted_by_pos, rec.accepted_by_pos = st.drafted_by_pos, st.accepted_by_pos
-        records.append(rec)
-      if bar is not None:
-        bar.update(len(idx))
+    records += run_batch(cfg, target, runner, method, questions[start: start + cfg.batch_size], bar)
+  return records
+
+
+def run_batch(cfg: ExperimentConfig, target, runner: "_Runner", method: MethodConfig | None, batch: list[Question],
+              bar=None) -> list[PromptRecord]:
+  """One batch of questions, every turn, with one method's runner."""
+  name = PLAIN if method is None else method.name
+  tok = target.tokenizer
+  records = []
+  answers: dict[int, list[str]] = {i: [] for i in range(len(batch))}
+  n_turns = min(cfg.turns, max(len(q.turns) for q in batch))
+  for turn in range(n_turns):
+    idx = [i for i, q in enumerate(batch) if turn < len(q.turns)]
+    prompts = []
+    for i in idx:
+      msgs = _messages(batch[i], answers[i], turn)
+      prompts.append(tok.encode_chat(msgs) if cfg.chat else tok.encode(msgs[-1]["content"]))
+    r = runner.run(prompts)
+    share = r.seconds / len(idx)   # each prompt of a batch gets an equal share of its wall time
+    for j, i in enumerate(idx):
+      q = batch[i]
+      answers[i].append(tok.decode(r.tokens[j]))
+      rec = PromptRecord(method=name, question_id=q.question_id, category=q.category, turn=turn,
+                         new_tokens=len(r.tokens[j]), seconds=share, tokens=r.tokens[j],
+                         batch_seconds=r.seconds)
+      if method is not None:
+        st = r.stats
+        rec.rounds, rec.acc_tokens = st.per_seq_rounds[j], st.per_seq_acc_tokens[j]
+        rec.gen_tokens, rec.emitted = st.per_seq_gen_tokens[j], st.per_seq_emitted[j]
+        rec.draft_seconds = st.draft_seconds
+        rec.adaptive = st.adaptive if j == 0 else None
+        if len(idx) == 1:   # per-position counts are per batch; kept when the batch is one prompt
+          rec.drafted_by_pos, rec.accepted_by_pos = st.drafted_by_pos, st.accepted_by_pos
+      records.append(rec)
+    if bar is not None:
+      bar.update(len(idx))
   return records
 
 
@@ -227,9 +234,16 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict:
   bar = tqdm(total=n_prompts * len(methods), desc=f"bench {cfg.name}", unit="prompt", disable=not progress)
   t0 = time.perf_counter()
   by_method: dict[str, list[PromptRecord]] = {}
-  for m in methods:
-    bar.set_postfix_str(PLAIN if m is None else m.name)
-    by_method[PLAIN if m is None else m.name] = run_method(cfg, target, m, questions, draft_cache, bar)
+  if cfg.interleave:   # batch by batch, every method in turn
+    runners = [(m, _Runner(cfg, target, m, draft_cache)) for m in methods]
+    for start in range(0, len(questions), cfg.batch_size):
+      for m, runner in runners:
+        batch = questions[start: start + cfg.batch_size]
+        by_method.setdefault(PLAIN if m is None else m.name, []).extend(run_batch(cfg, target, runner, m, batch, bar))
+  else:
+    for m in methods:
+      bar.set_postfix_str(PLAIN if m is None else m.name)
+      by_method[PLAIN if m is None else m.name] = run_method(cfg, target, m, questions, draft_cache, bar)
   bar.close()
   return result_dict(cfg, by_method, time.perf_counter() - t0)
 
