@@ -339,6 +339,14 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
       costs = adapt.remember_costs(cost_key, measured)
   kept, kept_costs = adapt.prune_widths(widths, costs, ac.tie)
   keep = tuple(widths.index(w) for w in kept)
+  if kept == (drafter.max_draft,):   # nothing to choose: the fixed program itself (same compile, same speed)
+    state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
+                                      drafter=drafter, rollback=rollback)
+    return state, dstate, stats, {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs],
+                                  "widths_timed": list(widths),
+                                  "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
+                                  "segments": [[int(kept[0]), int(jnp.max(stats.rounds))]], "n_segments": 1,
+                                  "replayed_tau": None}
   state, dstate, stats, probe = _adaptive_run(params, dparams, state, dstate, sampling, dp, stop, max_new,
                                               jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1), jnp.int32(2 ** 30),
                                               cfg=cfg, drafter=drafter, rollback=rollback, ac=ac, keep=keep)
