@@ -52,6 +52,23 @@ class TreeShape:
   depth: jax.Array                # [B, T] int32: 1 for children of the root
 
 
+def best_nodes(pool_tok, pool_score, pool_parent, budget: int):
+  """The best `budget` nodes of a drafter's candidate pool [B, P] (tokens, scores, parent pool index
+  or -1), scores falling along every path and parents before their children in the pool, so the
+  chosen nodes (ties: the lower index, the parent first) are closed under taking prefixes. ->
+  (tokens [B, T], parents [B, T] remapped to the chosen nodes' indices (-1: child of the root),
+  scores [B, T]), in topological order."""
+  b = pool_score.shape[0]
+  _, chosen = jax.lax.top_k(pool_score, budget)
+  chosen = jnp.sort(chosen, axis=1)                                                # [B, T] topological order
+  rows = jnp.arange(b)[:, None]
+  slot_of = jnp.full(pool_score.shape, -1, jnp.int32).at[rows, chosen].set(jnp.arange(budget, dtype=jnp.int32)[None])
+  par_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)                      # [B, T]
+  parents = jnp.where(par_pool < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(par_pool, 0), axis=1))
+  return (jnp.take_along_axis(pool_tok, chosen, axis=1), parents.astype(jnp.int32),
+          jnp.take_along_axis(pool_score, chosen, axis=1))
+
+
 def max_depth_of(drafter) -> int:
   """Static bound D on the depth of a drafter's trees: its `max_depth` attribute if it has one,
   else its node budget (a chain of T nodes). Accepted paths are [B, D] wide."""

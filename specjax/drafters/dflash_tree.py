@@ -31,7 +31,7 @@ import numpy as np
 from specjax.drafters.base import DraftContext
 from specjax.drafters.dflash import DFlashDrafter, DFlashState, drafter_for_target
 from specjax.sampling import split_keys
-from specjax.tree import TreeDraft
+from specjax.tree import TreeDraft, best_nodes
 
 
 def n_candidates(depth: int, top_k: int) -> int:
@@ -60,14 +60,8 @@ def best_first_tree(level_logprobs: jax.Array, top_k: int, budget: int) -> tuple
       f_pool = offset + pick
     offset += kk * kk
   pool_tok, pool_score, pool_parent = (jnp.concatenate(x, axis=1) for x in (pool_tok, pool_score, pool_parent))
-  _, chosen = jax.lax.top_k(pool_score, budget)                                     # ties: lower (parent) index first
-  chosen = jnp.sort(chosen, axis=1)                                                 # [B, T] topological order
-  rows = jnp.arange(b)[:, None]
-  slot_of = jnp.full(pool_score.shape, -1, jnp.int32).at[rows, chosen].set(jnp.arange(budget, dtype=jnp.int32)[None])
-  par_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)                       # [B, T]
-  parents = jnp.where(par_pool < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(par_pool, 0), axis=1))
-  tokens = jnp.take_along_axis(pool_tok, chosen, axis=1).astype(jnp.int32)         # [B, T]
-  return tokens, parents.astype(jnp.int32), jnp.take_along_axis(pool_score, chosen, axis=1)
+  tokens, parents, scores = best_nodes(pool_tok, pool_score, pool_parent, budget)  # [B, T] x3
+  return tokens.astype(jnp.int32), parents, scores
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
 from specjax.models.weights import FUSED
 from specjax.sampling import split_keys
 from specjax.state import KVCache
+from specjax.tree import best_nodes
 
 FORMAT = "specjax-eagle3-v1"
 
@@ -406,16 +407,10 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         f_h = jnp.take_along_axis(o, f_parent[:, :, None], axis=1)
       offset += kk * kk
     pool_tok, pool_score, pool_parent = (jnp.concatenate(x, axis=1) for x in (pool_tok, pool_score, pool_parent))
-    _, chosen = jax.lax.top_k(pool_score, t)                                        # ties: lower (parent) index first
-    chosen = jnp.sort(chosen, axis=1)                                               # [B, T] topological order
-    rows = jnp.arange(b)[:, None]
-    slot_of = jnp.full(pool_score.shape, -1, jnp.int32).at[rows, chosen].set(jnp.arange(t, dtype=jnp.int32)[None])
-    par_pool = jnp.take_along_axis(pool_parent, chosen, axis=1)
-    parents = jnp.where(par_pool < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(par_pool, 0), axis=1))
-    tokens = d2t[jnp.take_along_axis(pool_tok, chosen, axis=1)]
+    draft_ids, parents, scores = best_nodes(pool_tok, pool_score, pool_parent, t)  # [B, T] x3
     n_nodes = jnp.clip(ctx.n_max, 0, t).astype(jnp.int32)
     state = dataclasses.replace(dstate, cache=cache.with_lengths(root_len), base=ctx.target_len)
-    return tokens, parents.astype(jnp.int32), n_nodes, jnp.take_along_axis(pool_score, chosen, axis=1), state
+    return d2t[draft_ids], parents, n_nodes, scores, state
 
   def propose(self, dparams, dstate: Eagle3State, ctx: DraftContext):
     from specjax.tree import TreeDraft
