@@ -8,6 +8,7 @@
 # eagle3_gpu3: on a fresh machine carry them in .gpucarry/persist/), else from assets/.
 #   bash experiments/gpu/stage_dflash_gpu3_eval.sh
 #   PROMPTS=mt_bench:24 TREE=32 bash experiments/gpu/stage_dflash_gpu3_eval.sh
+#   N_MAX= TREE=64,128 TREE_DEPTH=12 bash experiments/gpu/stage_dflash_gpu3_eval.sh   # trees only (N_MAX empty: no chain)
 #   SMOKE=1 bash experiments/gpu/stage_dflash_gpu3_eval.sh   # CPU-sized, after SMOKE=1 stage_dflash_gpu3.sh
 source experiments/gpu/stage_mtp2_common.sh
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -27,7 +28,7 @@ TAG=${TAG:-dflash_gpu3_eval}
   [ -f "$MTP" ] || echo "[$TAG] no MTP head $MTP: left out"
   [ -f "$E3" ] || echo "[$TAG] no EAGLE-3 head $E3: left out"
   timed_run "$TAG" "${EVAL_TIMEOUT:-540}" python3 -m specjax.cli train eval-dflash --config "$DF" \
-    --head "$HEAD" --prompts "$PROMPTS" --temperatures "${TEMPS:-0,0.7}" --n-max "${N_MAX:-15}" \
+    --head "$HEAD" --prompts "$PROMPTS" --temperatures "${TEMPS:-0,0.7}" --n-max "${N_MAX-15}" \
     --tree "${TREE:-32,64}" --tree-depth "${TREE_DEPTH:-8}" --tree-top-k "${TREE_TOP_K:-8}" $SIZE \
     $([ -f "$MTP" ] && echo "--mtp-head $MTP") \
     $([ -f "$E3" ] && echo "--eagle3-head $E3 --eagle3-tree ${E3_TREE:-32}") \

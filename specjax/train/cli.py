@@ -189,11 +189,9 @@ def cmd_dflash(args) -> int:
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   t0 = time.perf_counter()
   built = None
-  if args.no_data:
-    pass
-  elif spec.data_budget_s is not None or spec.heldout_data:   # held-out sets, then what fits the data budget
+  if not args.no_data and (spec.data_budget_s is not None or spec.heldout_data):   # held-out sets, then what fits
     spec, built = build_budgeted(spec, target, progress=not args.quiet)
-  else:   # resumable: shards already built are kept
+  elif not args.no_data:   # resumable: shards already built are kept
     build_data(target, (spec.data,) + spec.extra_data, seconds=args.data_seconds, progress=not args.quiet,
                dtype_name=spec.dtype)
   data_s = time.perf_counter() - t0
