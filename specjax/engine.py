@@ -224,8 +224,8 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
   acceptance per sequence, refreshed by a short segment at the widest width every
   `ac.explore_every` segments. `force` >= 0 pins the width index and runs one segment of
   `max_rounds` rounds (the warm-up's timing); `max_rounds` caps the rounds of the run. `keep`: the
-  indices of `ac.widths_for(K)` left by `adapt.prune_widths` (costs [len(keep)]); one width left is
-  the fixed loop at that width, with no segments."""
+  indices of `ac.widths_for(K)` left by `adapt.prune_widths` (costs [len(keep)]; width K alone runs
+  `_spec_loop` instead)."""
   b, k = state.last.shape[0], drafter.max_draft
   widths = ac.widths_for(k)
   if keep is not None:
@@ -237,10 +237,6 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
                  log_width=jnp.zeros((ADAPTIVE_LOG,), jnp.int32), log_rounds=jnp.zeros((ADAPTIVE_LOG,), jnp.int32))
   branches = [functools.partial(_rounds_at, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, w)
               for w in widths]
-  if len(widths) == 1:   # nothing to choose: the fixed loop
-    state, dstate, stats, ran = branches[0](max_rounds, (state, dstate, RoundStats.zeros(b, k)))
-    return state, dstate, stats, (ctl.log_width, ctl.log_rounds.at[0].set(ran), jnp.int32(1), ran,
-                                  jnp.zeros((1,), jnp.float32))
 
   def body(carry):
     state, dstate, stats, ctl = carry
@@ -338,15 +334,14 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
   kept, kept_costs = adapt.prune_widths(widths, costs, ac.tie)
-  keep = tuple(widths.index(w) for w in kept)
-  if kept == (drafter.max_draft,):   # nothing to choose: the fixed program itself (same compile, same speed)
+  record = {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs], "widths_timed": list(widths),
+            "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None)}
+  if kept == (drafter.max_draft,):   # nothing to choose: the fixed program itself
     state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
                                       drafter=drafter, rollback=rollback)
-    return state, dstate, stats, {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs],
-                                  "widths_timed": list(widths),
-                                  "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
-                                  "segments": [[int(kept[0]), int(jnp.max(stats.rounds))]], "n_segments": 1,
-                                  "replayed_tau": None}
+    return state, dstate, stats, {**record, "segments": [[int(kept[0]), int(jnp.max(stats.rounds))]],
+                                  "n_segments": 1, "replayed_tau": None}
+  keep = tuple(widths.index(w) for w in kept)
   state, dstate, stats, probe = _adaptive_run(params, dparams, state, dstate, sampling, dp, stop, max_new,
                                               jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1), jnp.int32(2 ** 30),
                                               cfg=cfg, drafter=drafter, rollback=rollback, ac=ac, keep=keep)
@@ -360,12 +355,9 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
       segments[-1][1] += int(r)
     else:
       segments.append([int(kept[wi]), int(r)])
-  record = {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs], "widths_timed": list(widths),
-            "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None),
-            "segments": segments, "n_segments": int(n_seg),
-            "replayed_tau": ([round(float(t), 4) for t in tau]
-                             if getattr(drafter, "replayable", False) and len(kept) > 1 else None)}
-  return state, dstate, stats, record
+  return state, dstate, stats, {**record, "segments": segments, "n_segments": int(n_seg),
+                                "replayed_tau": ([round(float(t), 4) for t in tau]
+                                                 if getattr(drafter, "replayable", False) else None)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))

@@ -142,6 +142,17 @@ TINY_GEMMA = ModelConfig(arch="gemma3", vocab_size=16, d_model=32, n_layers=3, n
                          activation="gelu_tanh", query_scale=12.0 ** -0.5)
 
 
+class ToyTokenizer:
+  """A 'chat template' [1, ..., 15] over TINY_LLAMA's 16-token vocabulary, for the data builders."""
+  eos_ids = (0,)
+
+  def encode(self, text, add_bos=None, add_eos=None):
+    return [2 + (ord(c) * 7) % 13 for c in text]
+
+  def encode_chat(self, messages):
+    return [1] + self.encode(messages[-1]["content"]) + [15]
+
+
 def perturb(params, sigma: float, seed: int):
   """params + sigma * std(leaf) * N(0, 1), leaf by leaf (a 'draft model' near the target)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, ToyTokenizer
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
 from specjax.drafters.dflash import (DFlashConfig, DFlashDrafter, concat_taps, init_dflash, load_dflash,
@@ -301,16 +301,6 @@ def test_held_out_prompts_leave_the_training_rows(tiny_llama, tmp_path):
   prompt file held out: exactly the rows of those prompts (known from the builder's shuffled order)
   are dropped, and a whole epoch of training batches holds every other row once and no held-out row."""
   cfg, params = tiny_llama
-
-  class ToyTokenizer:   # a 'chat template' [1, ..., 15] over the 16-token vocabulary
-    eos_ids = (0,)
-
-    def encode(self, text, add_bos=None, add_eos=None):
-      return [2 + (ord(c) * 7) % 13 for c in text]
-
-    def encode_chat(self, messages):
-      return [1] + self.encode(messages[-1]["content"]) + [15]
-
   target = LoadedModel(name="tiny", cfg=cfg, params=params, tokenizer=ToyTokenizer(), source="tiny-llama")
   texts = ["abcdefghijkl"[:n] for n in range(1, 13)]                               # distinct token prompts
   prompts = tmp_path / "toy_questions.jsonl"

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ToyTokenizer
 from specjax.drafters.dflash import DFlashConfig, init_dflash, save_dflash
 from specjax.models.load import LoadedModel
 from specjax.train.data import DataConfig, ShardDataset, SourceConfig
@@ -83,16 +84,6 @@ def test_held_out_scoring_equals_the_loss_metrics(tiny_llama):
   for key in ("tau_est", "loss", "acc_01", "acc_03"):
     want = sum(float(m[key]) * bl for m, bl in parts) / w
     assert abs(got[key] - want) < 1e-4, (key, got[key], want)
-
-
-class ToyTokenizer:   # a 'chat template' [1, ..., 15] over the 16-token vocabulary
-  eos_ids = (0,)
-
-  def encode(self, text, add_bos=None, add_eos=None):
-    return [2 + (ord(c) * 7) % 13 for c in text]
-
-  def encode_chat(self, messages):
-    return [1] + self.encode(messages[-1]["content"]) + [15]
 
 
 def test_budgeted_run_builds_held_out_first_warm_starts_and_scores(tiny_llama, tmp_path):

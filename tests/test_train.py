@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ToyTokenizer
 from specjax.decode import generate_plain
 from specjax.drafters.mtp import load_heads
 from specjax.models.load import LoadedModel
@@ -19,18 +20,7 @@ from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dat
 from specjax.train.loop import TrainConfig
 from specjax.train.mtp import HeadConfig, LossConfig, MTPTrainSpec, load_spec, run_training
 
-STOP = 0
-
-
-class ToyTokenizer:
-  """Text -> tokens of the tiny vocabulary (16): a 'chat template' of [1, ..., 15]."""
-  eos_ids = (STOP,)
-
-  def encode(self, text, add_bos=None, add_eos=None):
-    return [2 + (ord(c) * 7) % 13 for c in text]
-
-  def encode_chat(self, messages):
-    return [1] + self.encode(messages[-1]["content"]) + [15]
+STOP = ToyTokenizer.eos_ids[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,7 @@ TAG=dflash_${DF_NAME#dflash_smollm2_}   # dflash_gpu3, dflash_gpu3b: the /root/p
 {
   echo "[dflash gpu3] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "dflash gpu3"
-  if [ ! -f "$DF_INIT" ] && [ -f "$PERSIST/dflash_gpu2/dflash.safetensors" ]; then
-    mkdir -p "$(dirname "$DF_INIT")" && cp "$PERSIST"/dflash_gpu2/dflash.* "$(dirname "$DF_INIT")/"
-  fi
-  [ -f "$DF_INIT" ] && echo "[dflash gpu3] starting from $DF_INIT" || echo "[dflash gpu3] no $DF_INIT: from scratch"
+  seed_init "dflash gpu3" "$DF_INIT" dflash_gpu2
   timed_run "dflash gpu3" "${DF_TIMEOUT:-550}" python3 -m specjax.cli train dflash --config "$DF" --no-resume
   export_trained "$TAG" "$DF_EXPORT" "$DF_OUTDIR" "$TAG" "${TAG}_"
   # $OUT takes files up to 16 MiB: the drafter comes back in parts
@@ -30,6 +27,6 @@ TAG=dflash_${DF_NAME#dflash_smollm2_}   # dflash_gpu3, dflash_gpu3b: the /root/p
     [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 15728640 ] && split -b 15M -d "$f" "$f.part" && rm "$f"
   done
   new=$(ls -d "$DF_OUTDIR"/data_* "$DF_OUTDIR"/heldout_* 2>/dev/null || true)
-  [ -n "$new" ] && tar cf "$PERSIST/${TAG}_data.tar" $new && echo "[dflash gpu3] new data: $(du -sh "$PERSIST/dflash_gpu3_data.tar" | cut -f1)"
+  [ -n "$new" ] && tar cf "$PERSIST/${TAG}_data.tar" $new && echo "[dflash gpu3] new data: $(du -sh "$PERSIST/${TAG}_data.tar" | cut -f1)"
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_$TAG.log"

@@ -14,10 +14,7 @@ read -r E3_OUTDIR E3_EXPORT E3_INIT <<<"$(spec_fields eagle3 "$E3" out_dir expor
 {
   echo "[eagle3 gpu3] rev $SPECJAX_GIT_REV, config $E3, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "eagle3 gpu3"
-  if [ ! -f "$E3_INIT" ] && [ -f "$PERSIST/eagle3_gpu2/eagle3_head.safetensors" ]; then
-    mkdir -p "$(dirname "$E3_INIT")" && cp "$PERSIST"/eagle3_gpu2/eagle3_head.* "$(dirname "$E3_INIT")/"
-  fi
-  [ -f "$E3_INIT" ] && echo "[eagle3 gpu3] starting from $E3_INIT" || echo "[eagle3 gpu3] no $E3_INIT: from scratch"
+  seed_init "eagle3 gpu3" "$E3_INIT" eagle3_gpu2
   timed_run "eagle3 gpu3" "${E3_TIMEOUT:-545}" python3 -m specjax.cli train eagle3 --config "$E3" --no-resume
   export_trained "eagle3 gpu3" "$E3_EXPORT" "$E3_OUTDIR" eagle3_gpu3 eagle3_gpu3_
   # the new data folders stay on this machine for a later call: $PERSIST/eagle3_gpu3_data.tar

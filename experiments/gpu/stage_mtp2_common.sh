@@ -50,6 +50,14 @@ restore_data() {   # restore_data TAG
   [ -f "$PERSIST/mtp2_data.tar" ] || { echo "[$1] no $PERSIST/mtp2_data.tar: run stage_mtp2_data.sh first (or carry it in .gpucarry/persist/)"; exit 1; }
   tar xf "$PERSIST/mtp2_data.tar"
 }
+# a warm start's file, when the config's path is missing here: from $PERSIST/NAME (an earlier stage's)
+seed_init() {   # seed_init TAG INIT_PATH NAME
+  local tag=$1 init=$2 name=$3
+  if [ ! -f "$init" ] && ls "$PERSIST/$name"/*.safetensors >/dev/null 2>&1; then
+    mkdir -p "$(dirname "$init")" && cp "$PERSIST/$name"/* "$(dirname "$init")/"
+  fi
+  [ -f "$init" ] && echo "[$tag] starting from $init" || echo "[$tag] no $init: from scratch"
+}
 # a trained head's files -> $PERSIST/NAME and $OUT; its metrics, curve and summary -> $OUT/PREFIX*
 export_trained() {   # export_trained TAG EXPORT OUTDIR NAME PREFIX
   local tag=$1 export=$2 outdir=$3 name=$4 prefix=$5

@@ -237,8 +237,8 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict:
   if cfg.interleave:   # batch by batch, every method in turn
     runners = [(m, _Runner(cfg, target, m, draft_cache)) for m in methods]
     for start in range(0, len(questions), cfg.batch_size):
+      batch = questions[start: start + cfg.batch_size]
       for m, runner in runners:
-        batch = questions[start: start + cfg.batch_size]
         by_method.setdefault(PLAIN if m is None else m.name, []).extend(run_batch(cfg, target, runner, m, batch, bar))
   else:
     for m in methods:

@@ -227,8 +227,7 @@ def cmd_eval_dflash(args) -> int:
   if args.eagle3_head:
     methods["eagle3 n5"] = ("eagle3", args.eagle3_head, 5, {})
     for n in filter(None, args.eagle3_tree.split(",")):
-      methods[f"eagle3 tree{n}"] = ("eagle3_tree", args.eagle3_head, int(n), {"depth": args.tree_depth,
-                                                                               "top_k": args.tree_top_k})
+      methods[f"eagle3 tree{n}"] = ("eagle3_tree", args.eagle3_head, int(n), tree)
   sets = [(name, int(n) if n else args.n_questions) for name, _, n in (x.partition(":") for x in args.prompts.split(","))]
   widest = max(len(p) for name, n in sets for p in first_turns(target, name, n)[1])
   cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + max(m[2] for m in methods.values()) + 2, 64)

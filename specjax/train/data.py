@@ -341,6 +341,17 @@ def build_within(target, dcs, budget_s: float | None, *, progress: bool, dtype_n
   return used, log
 
 
+def heldout_scores(score, ds, held_dirs: Sequence[str], seed: int) -> dict:
+  """Over-fitting check after training: `score(dataset, row indices) -> metrics` on every row of the
+  held-out datasets and on as many training rows of `ds` (drawn with `seed`).
+  -> {"dirs", "heldout_rows", "training_rows", "seconds"}."""
+  t0 = time.perf_counter()
+  held = ShardDataset(list(held_dirs))
+  seen = np.random.default_rng(seed).permutation(len(ds))[:len(held)]
+  out = {"dirs": list(held_dirs), "heldout_rows": score(held, np.arange(len(held))), "training_rows": score(ds, seen)}
+  return {**out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def dataset_rows(dc: DataConfig) -> int:
   """Rows written so far of dataset `dc` (0 when it has no manifest)."""
   man = Path(dc.dir) / "manifest.json"

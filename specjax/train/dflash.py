@@ -33,7 +33,7 @@ from specjax.drafters.dflash import (DFlashConfig, block_inputs, concat_taps, in
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.state import KVCache
-from specjax.train.data import DataConfig
+from specjax.train.data import DataConfig, heldout_scores
 from specjax.train.loop import TrainConfig
 
 
@@ -409,14 +409,8 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
   held_dirs = [dc_.dir for dc_ in spec.heldout_data]
   if held_dirs and all((Path(h) / "manifest.json").exists() for h in held_dirs):
-    held = ShardDataset(held_dirs)   # over-fitting: the same metrics on unseen rows and on as many training rows
-    n = len(held)
-    seen = np.random.default_rng(spec.train.seed).permutation(len(ds))[:n]
-    t1 = time.perf_counter()
-    summary["heldout"] = {"dirs": held_dirs,
-                          "heldout_rows": score_blocks(loss_fn, res.params, target.params, held, np.arange(n), bs),
-                          "training_rows": score_blocks(loss_fn, res.params, target.params, ds, seen, bs)}
-    summary["heldout"]["seconds"] = round(time.perf_counter() - t1, 1)
+    summary["heldout"] = heldout_scores(lambda d, idx: score_blocks(loss_fn, res.params, target.params, d, idx, bs),
+                                        ds, held_dirs, spec.train.seed)
     if progress:
       for k in ("heldout_rows", "training_rows"):
         m = summary["heldout"][k]

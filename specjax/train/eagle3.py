@@ -36,7 +36,7 @@ from specjax.drafters.eagle3 import (Eagle3Config, build_d2t, head_module, init_
 from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
 from specjax.models.layers import NEG_INF, attend
 from specjax.state import KVCache
-from specjax.train.data import DataConfig, build_within
+from specjax.train.data import DataConfig, build_within, heldout_scores
 from specjax.train.loop import TrainConfig
 from specjax.train.mtp import _cast, _shift_left, _shift_right
 
@@ -339,14 +339,8 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
     summary["export"] = {"weights": str(w), "config": str(c), "bytes": w.stat().st_size}
   if spec.heldout_data and res.step == tc.steps:   # after the export: the same metrics on unseen rows and on
     # as many training rows (the head file's JSON does not carry them; summary.json does)
-    held = ShardDataset([dc.dir for dc in spec.heldout_data])
-    n = len(held)
-    seen = np.random.default_rng(spec.train.seed).permutation(len(ds))[:n]
-    t0 = time.perf_counter()
-    summary["heldout"] = {"dirs": [dc.dir for dc in spec.heldout_data],
-                          "heldout_rows": score_rows(loss_fn, res.params, frozen, held, np.arange(n), bs),
-                          "training_rows": score_rows(loss_fn, res.params, frozen, ds, seen, bs)}
-    summary["heldout"]["seconds"] = round(time.perf_counter() - t0, 1)
+    summary["heldout"] = heldout_scores(lambda d, idx: score_rows(loss_fn, res.params, frozen, d, idx, bs), ds,
+                                        [dc.dir for dc in spec.heldout_data], spec.train.seed)
     if progress:
       for k in ("heldout_rows", "training_rows"):
         m = summary["heldout"][k]
