@@ -1,4 +1,4 @@
-# Issue 9, third DFlash drafter (configs/dflash_smollm2_gpu3.yaml): restores the data folders of
+# Issue 9, third and fourth DFlash drafters (configs/dflash_smollm2_gpu3.yaml, DF=configs/dflash_smollm2_gpu4.yaml): restores the data folders of
 # stage_mtp2_data.sh from /root/persist/mtp2_data.tar (seed it from .gpucarry/persist/ on a fresh
 # machine), warm-starts from the second drafter (assets/dflash_smollm2_gpu2, carried, or
 # /root/persist/dflash_gpu2) with one more layer, builds the held-out Magpie folder and new Magpie
@@ -19,7 +19,9 @@ TAG=dflash_${DF_NAME#dflash_smollm2_}   # dflash_gpu3, dflash_gpu3b: the /root/p
 {
   echo "[dflash gpu3] rev $SPECJAX_GIT_REV, config $DF, $(python3 -c 'import jax; print(jax.devices()[0].device_kind)')"
   restore_data "dflash gpu3"
-  seed_init "dflash gpu3" "$DF_INIT" dflash_gpu2
+  # a warm start from out/NAME/export/ comes from /root/persist/NAME when this machine did not train it
+  init_name=$(echo "$DF_INIT" | sed -n 's#^out/\([^/]*\)/export/.*#\1#p')
+  seed_init "dflash gpu3" "$DF_INIT" "${init_name:-dflash_gpu2}"
   timed_run "dflash gpu3" "${DF_TIMEOUT:-550}" python3 -m specjax.cli train dflash --config "$DF" --no-resume
   export_trained "$TAG" "$DF_EXPORT" "$DF_OUTDIR" "$TAG" "${TAG}_"
   # $OUT takes files up to 16 MiB: the drafter comes back in parts

@@ -17,6 +17,22 @@ mkdir -p "$OUT" "$PERSIST"
 # a fresh machine: what an earlier machine's stages returned (the data tar, heads) can be carried in
 # .gpucarry/persist/ (ignored by git, named in the call's carry) and seeds $PERSIST
 [ -d .gpucarry/persist ] && cp -rn .gpucarry/persist/. "$PERSIST/" && echo "[mtp2] seeded $PERSIST from .gpucarry/persist: $(ls .gpucarry/persist | tr '\n' ' ')"
+# a file too big for one call travels in parts (`split -b 12M -d F F.part` here, `stat -c %s F > F.size`),
+# one call each; it is joined once every part is there (their sizes add up to F.size)
+assemble_parts() {   # assemble_parts DIR
+  local size f
+  for size in "$1"/*.size; do
+    [ -f "$size" ] || continue
+    f=${size%.size}
+    [ -f "$f" ] && continue
+    if [ "$(cat "$f".part* 2>/dev/null | wc -c)" = "$(cat "$size")" ]; then
+      cat "$f".part* > "$f" && rm -f "$f".part* && echo "[parts] joined $f"
+    else
+      echo "[parts] $f: not every part is here yet"
+    fi
+  done
+}
+for d in "$PERSIST"/*/; do assemble_parts "$d"; done
 # the config's data folders, out_dir and export, e.g. "out/mtp_gpu2/data_greedy out/mtp_gpu2/data_ref ..."
 read -r OUTDIR EXPORT DATA_DIRS <<<"$(python3 -c "
 from specjax.train.mtp import load_spec

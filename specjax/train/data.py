@@ -46,6 +46,9 @@ class SourceConfig:
   max_query_tokens: int = 96         # a query not closed within this many tokens is dropped
   min_query_chars: int = 8           # shorter queries are dropped
   max_query_batches: int | None = None   # stop sampling after this many batches (default 4 x needed + 2)
+  # openings the target's query starts from, cycled over the rows ("Write a", "Imagine you are", ""
+  # for none): steers the queries toward kinds of requests the target rarely writes unprompted
+  query_prefixes: tuple[str, ...] = ()
 
   @property
   def is_magpie(self) -> bool:
@@ -54,6 +57,8 @@ class SourceConfig:
   def identity(self) -> dict:
     """name and limit; the query settings too for a magpie source (a prompt set ignores them)."""
     d = dataclasses.asdict(self)
+    if not d["query_prefixes"]:   # datasets built before the option stay valid
+      del d["query_prefixes"]
     return d if self.is_magpie else {"name": self.name, "limit": self.limit}
 
   def check(self) -> None:
@@ -344,11 +349,13 @@ def build_within(target, dcs, budget_s: float | None, *, progress: bool, dtype_n
 def heldout_scores(score, ds, held_dirs: Sequence[str], seed: int) -> dict:
   """Over-fitting check after training: `score(dataset, row indices) -> metrics` on every row of the
   held-out datasets and on as many training rows of `ds` (drawn with `seed`).
-  -> {"dirs", "heldout_rows", "training_rows", "seconds"}."""
+  -> {"dirs", "heldout_rows", "training_rows", "seconds"} (+ "per_dir": {dir: metrics} for several)."""
   t0 = time.perf_counter()
   held = ShardDataset(list(held_dirs))
   seen = np.random.default_rng(seed).permutation(len(ds))[:len(held)]
   out = {"dirs": list(held_dirs), "heldout_rows": score(held, np.arange(len(held))), "training_rows": score(ds, seen)}
+  if len(held_dirs) > 1:   # each held-out set on its own too (e.g. plain and steered Magpie queries)
+    out["per_dir"] = {d: score(one, np.arange(len(one))) for d, one in ((d, ShardDataset(d)) for d in held_dirs)}
   return {**out, "seconds": round(time.perf_counter() - t0, 1)}
 
 

@@ -412,8 +412,8 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
     summary["heldout"] = heldout_scores(lambda d, idx: score_blocks(loss_fn, res.params, target.params, d, idx, bs),
                                         ds, held_dirs, spec.train.seed)
     if progress:
-      for k in ("heldout_rows", "training_rows"):
-        m = summary["heldout"][k]
+      h = summary["heldout"]
+      for k, m in [(k, h[k]) for k in ("heldout_rows", "training_rows")] + list(h.get("per_dir", {}).items()):
         print(f"[train dflash] {k}: tau_est {m['tau_est']}, acc {[m[f'acc_{j:02d}'] for j in (1, 2, 3, 4, 8)]}, "
               f"{m['rows']} rows", flush=True)
   (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

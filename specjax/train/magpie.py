@@ -10,6 +10,11 @@ The pre-query part is cut from the tokenizer's own chat rendering of a one-messa
 sentinel as the user's text), so it follows whatever template the model ships; the end-of-turn
 token is the first token after the sentinel.
 
+With `query_prefixes`, row r of the sampling run starts its query from the opening
+prefixes[r % len] (the target writes the rest; the opening is part of the query text): the target's
+unprompted queries are mostly requests for help ("Can you ...", "I'm ..."), and openings such as
+"Write a poem about" or "Imagine you are" steer it toward other kinds of requests.
+
 Queries are kept when they end with the end-of-turn token (not cut by the token budget nor ended by
 another stop token), hold no other special token, are long enough, and are not exact duplicates of
 an earlier query. Generation batch b uses seeds derived from (seed, source index, b) only, so the
@@ -59,27 +64,30 @@ def row_seeds(seed: int, source_index: int, batch: int, n: int) -> list[int]:
 
 
 def sample_queries(target, template: MagpieTemplate, seeds: list[int], *, temperature: float, top_p: float,
-                   max_tokens: int) -> list[list[int]]:
-  """The target continues the pre-query part once per seed: the raw generated tokens (the stop
-  token included when one was hit)."""
+                   max_tokens: int, openings: list[list[int]] | None = None) -> list[list[int]]:
+  """The target continues the pre-query part (followed by row i's opening tokens `openings[i]`, when
+  given) once per seed: the raw generated tokens (the stop token included when one was hit)."""
   from specjax.decode import generate_plain
   from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.sampling import SamplingParams
   n = len(seeds)
   stop = tuple(dict.fromkeys((template.end_of_turn,) + tuple(target.tokenizer.eos_ids)))
-  capacity = round_up(round_up(len(template.pre_query), PROMPT_BUCKET) + max_tokens + 1, 64)
   sampling = SamplingParams.make(n, temperature=temperature, top_p=top_p, seed=seeds)
-  return generate_plain(target.params, target.cfg, [list(template.pre_query)] * n, max_new_tokens=max_tokens,
+  prompts = [list(template.pre_query) + list(o) for o in (openings or [[]] * n)]
+  capacity = round_up(round_up(max(len(p) for p in prompts), PROMPT_BUCKET) + max_tokens + 1, 64)
+  return generate_plain(target.params, target.cfg, prompts, max_new_tokens=max_tokens,
                         sampling=sampling, stop_ids=stop, capacity=capacity).tokens
 
 
-def query_of(tok, template: MagpieTemplate, tokens: list[int], min_chars: int) -> tuple[str | None, str]:
-  """(query text, "ok") for generated tokens that make a valid query, else (None, why not):
-  "truncated" (no end-of-turn at the end), "special" (another special token inside), "short"
-  (fewer than min_chars characters after stripping, empty included)."""
+def query_of(tok, template: MagpieTemplate, tokens: list[int], min_chars: int,
+             opening: list[int] = ()) -> tuple[str | None, str]:
+  """(query text, "ok") for generated tokens that make a valid query (after the `opening` tokens
+  the target was given, which start the text), else (None, why not): "truncated" (no end-of-turn at
+  the end), "special" (another special token inside), "short" (fewer than min_chars characters
+  after stripping, empty included)."""
   if not tokens or tokens[-1] != template.end_of_turn:
     return None, "truncated"
-  body = tokens[:-1]
+  body = list(opening) + list(tokens[:-1])
   if tok.decode(body, skip_special=True) != tok.decode(body, skip_special=False):
     return None, "special"
   text = tok.decode(body, skip_special=True).strip()
@@ -90,9 +98,20 @@ def query_of(tok, template: MagpieTemplate, tokens: list[int], min_chars: int) -
 
 def settings_of(src, dc, source_index: int, template: MagpieTemplate) -> dict:
   """What decides the queries (checked against the cache's header)."""
-  return {"seed": dc.seed, "source_index": source_index, "batch_size": dc.batch_size,
-          "temperature": src.query_temperature, "top_p": src.query_top_p, "max_tokens": src.max_query_tokens,
-          "min_chars": src.min_query_chars, "pre_query": list(template.pre_query), "end_of_turn": template.end_of_turn}
+  out = {"seed": dc.seed, "source_index": source_index, "batch_size": dc.batch_size,
+         "temperature": src.query_temperature, "top_p": src.query_top_p, "max_tokens": src.max_query_tokens,
+         "min_chars": src.min_query_chars, "pre_query": list(template.pre_query), "end_of_turn": template.end_of_turn}
+  if src.query_prefixes:   # caches written before the option stay valid
+    out["query_prefixes"] = list(src.query_prefixes)
+  return out
+
+
+def openings_of(tok, prefixes, batch: int, n: int) -> list[list[int]]:
+  """The opening tokens of the n rows of generation batch `batch`: the prefixes cycled over the
+  rows of all batches in order (row r of the run gets prefixes[r % len]); none without prefixes."""
+  if not prefixes:
+    return [[] for _ in range(n)]
+  return [tok.encode(prefixes[(batch * n + j) % len(prefixes)], add_bos=False, add_eos=False) for j in range(n)]
 
 
 def _read_cache(path: Path, settings: dict) -> list[dict]:
@@ -144,11 +163,12 @@ def synthesize_queries(target, src, dc, source_index: int, cache_path: str | Pat
              unit="query", dynamic_ncols=True)
   while len(queries) < src.limit and len(batches) < max_batches:
     b = len(batches)
-    raw = sample_queries(target, template, row_seeds(dc.seed, source_index, b, bs),
-                         temperature=src.query_temperature, top_p=src.query_top_p, max_tokens=src.max_query_tokens)
+    openings = openings_of(tok, src.query_prefixes, b, bs)
+    raw = sample_queries(target, template, row_seeds(dc.seed, source_index, b, bs), temperature=src.query_temperature,
+                         top_p=src.query_top_p, max_tokens=src.max_query_tokens, openings=openings)
     kept, why = [], {"truncated": 0, "special": 0, "short": 0, "duplicate": 0}
-    for tokens in raw:
-      text, reason = query_of(tok, template, tokens, src.min_query_chars)
+    for tokens, opening in zip(raw, openings):
+      text, reason = query_of(tok, template, tokens, src.min_query_chars, opening)
       if text is not None and text in seen:
         text, reason = None, "duplicate"
       if text is None:

@@ -1,6 +1,10 @@
 """Loading a training spec (MTP, EAGLE-3, DFlash): a YAML file built strictly into the spec's
 dataclass, then command-line overrides applied by dotted key ({"train.steps": 10, "dtype": ...};
-None keeps the file's value). Each head's `load_spec` adds its own checks."""
+None keeps the file's value). Each head's `load_spec` adds its own checks.
+
+A spec may name a `base:` spec (a path relative to its own folder) that it changes: its mapping is
+merged over the base's, key by key into nested mappings (lists and other values replace the base's),
+so a second training round is a few lines, not a copy of the data lists."""
 
 from __future__ import annotations
 
@@ -8,15 +12,36 @@ import dataclasses
 from pathlib import Path
 
 
-def load_train_spec(cls, path: str | Path, overrides: dict):
+def merged(base: dict, over: dict) -> dict:
+  """`over` merged into `base`: nested mappings key by key, anything else replaced."""
+  out = dict(base)
+  for k, v in over.items():
+    out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def read_spec_yaml(path: Path, _seen: tuple = ()) -> dict:
+  """The mapping of a spec file, its `base:` chain merged in (cycles refused)."""
   import yaml
 
-  from specjax.bench.config import ConfigError, _build
-  path = Path(path)
+  from specjax.bench.config import ConfigError
   data = yaml.safe_load(path.read_text())
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: expected a mapping")
-  spec = _build(cls, data, path.name)
+  if "base" not in data:
+    return data
+  base = (path.parent / str(data.pop("base"))).resolve()
+  if base in _seen or base == path.resolve():
+    raise ConfigError(f"{path.name}: `base:` chain loops back to {base.name}")
+  if not base.exists():
+    raise ConfigError(f"{path.name}: base spec {base} does not exist")
+  return merged(read_spec_yaml(base, _seen + (path.resolve(),)), data)
+
+
+def load_train_spec(cls, path: str | Path, overrides: dict):
+  from specjax.bench.config import ConfigError, _build
+  path = Path(path)
+  spec = _build(cls, read_spec_yaml(path), path.name)
   for key, val in overrides.items():
     if val is None:
       continue
