@@ -32,6 +32,6 @@ TAG=${TAG:-dflash_gpu3_eval}
     --tree "${TREE:-32,64}" --tree-depth "${TREE_DEPTH:-8}" --tree-top-k "${TREE_TOP_K:-8}" $SIZE \
     $([ -f "$MTP" ] && echo "--mtp-head $MTP") \
     $([ -f "$E3" ] && echo "--eagle3-head $E3 --eagle3-tree ${E3_TREE:-32}") \
-    --out "$OUT/$TAG.json" --quiet
+    --out "$OUT/$TAG.json"
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/stage_$TAG.log"

@@ -234,12 +234,16 @@ def cmd_eval_dflash(args) -> int:
   out = {"config": args.config, "spec": dataclasses.asdict(spec), "target": spec.target, "dtype": spec.dtype,
          "results": [], "git_revision": git_revision(), "device": device_info()}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  for name, n in sets:   # written after each prompt set: a run cut short keeps what it finished
+  def save(partial=None):   # after each method's row: a run cut short keeps what it finished
+    done = out["results"] + ([partial] if partial else [])
+    Path(args.out).write_text(json.dumps({**out, "results": done}, indent=1, default=str) + "\n")
+
+  for name, n in sets:
     out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=n,
                                    temperatures=tuple(float(x) for x in args.temperatures.split(",")),
                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
-                                   progress=not args.quiet))
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+                                   progress=not args.quiet, on_row=save))
+    save()
     plot_eval(out["results"], Path(args.out).with_suffix(".png"),
               title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
   print(format_eval(out["results"]))

@@ -2,7 +2,8 @@
 (and other trained drafters, e.g. an MTP head) on the first turns of a prompt set, greedy and
 sampled, every method in the same process on the same batches.
 
-Every configuration first runs once on every batch untimed (compilation), then timed; greedy runs
+Every configuration first runs untimed once per batch shape (batch size and padded prompt width:
+compilation), then timed on every batch; greedy runs
 also report the share of sequences equal to plain decoding's (1.0 = lossless in practice; bf16
 verification of K+1 tokens may round a near-tie differently from one-token decoding).
 """
@@ -24,10 +25,11 @@ def first_turns(target, prompt_set: str, n_questions: int) -> tuple[list, list[l
 
 def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions: int = 16,
              temperatures=(0.0, 0.7), max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-             capacity: int | None = None, progress: bool = True) -> dict:
+             capacity: int | None = None, progress: bool = True, on_row=None) -> dict:
   """methods: {label: (speculator name, head path, n_max, options)}, each made by the registry.
   `capacity`: KV slots (default: enough for these prompts); one capacity for several prompt sets
-  lets their runs share compiled decode loops."""
+  lets their runs share compiled decode loops. `on_row(result so far)` is called after each row
+  (a caller can save partial results of a long run)."""
   from specjax.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
@@ -48,10 +50,11 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
   warmed = set()
 
   def timed(fn, label):
-    for i, chunk in enumerate(batches):          # compile / warm up on every batch shape, once per method
-      if (label, i) not in warmed:
+    for chunk in batches:          # compile / warm up once per method and batch shape
+      shape = (label, len(chunk), round_up(max(len(p) for p in chunk), PROMPT_BUCKET))
+      if shape not in warmed:
         fn(chunk)
-        warmed.add((label, i))
+        warmed.add(shape)
     outs, secs = [], 0.0
     for chunk in batches:
       t0 = time.perf_counter()
@@ -64,6 +67,9 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
                                       options={name: dict(opts or {})}), n_max)
               for label, (name, head, n_max, opts) in methods.items()}
   rows = []
+  result = {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
+            "max_new_tokens": max_new_tokens, "batch_size": batch_size, "capacity": cap,
+            "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()}, "rows": rows}
   for temp in temperatures:
     plain, plain_s = timed(lambda c: generate_plain(params, cfg, c, max_new_tokens=max_new_tokens,
                                                     sampling=sampling(len(c), temp), stop_ids=stop, capacity=cap), "plain")
@@ -71,6 +77,8 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
     n_plain = sum(len(t) for t in plain_tokens)
     rows.append({"method": "plain", "temperature": temp, "tokens": n_plain, "seconds": plain_s,
                  "tokens_per_s": n_plain / plain_s, "speedup": 1.0, "tau": 1.0})
+    if on_row:
+      on_row(result)
     if progress:
       print(f"[eval {prompt_set} T={temp}] plain: {n_plain / plain_s:.1f} tok/s", flush=True)
     for label, (drafter, n_max) in drafters.items():
@@ -91,13 +99,13 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
       if temp == 0:
         row["equal_to_plain"] = sum(a == p for a, p in zip(toks, plain_tokens)) / len(toks)
       rows.append(row)
+      if on_row:
+        on_row(result)
       if progress:
         print(f"[eval {prompt_set} T={temp}] {label}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} tok/s "
               f"({row['speedup']:.2f}x), acceptance {row['acceptance_by_pos'][:8]}"
               + (f", equal to plain {row['equal_to_plain']:.2f}" if temp == 0 else ""), flush=True)
-  return {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
-          "max_new_tokens": max_new_tokens, "batch_size": batch_size, "capacity": cap,
-          "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()}, "rows": rows}
+  return result
 
 
 def format_eval(results: list[dict]) -> str:
