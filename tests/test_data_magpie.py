@@ -181,6 +181,18 @@ def test_steered_queries_start_from_their_openings(smollm2_jax, template, plain_
   assert steered, [tok.decode(o + t, skip_special=False) for o, t in zip(openings, raw)]
 
 
+def test_an_opening_alone_is_no_query(smollm2_jax, template):
+  """query_of refuses as "short" a sample that closes the user turn right after its opening (or
+  after whitespace only), however long the opening, and keeps the same opening followed by text."""
+  tok = smollm2_jax.tokenizer
+  eot = template.end_of_turn
+  opening = tok.encode("Write a short story about", add_bos=False, add_eos=False)
+  for body in ([], tok.encode("  ", add_bos=False, add_eos=False)):
+    assert query_of(tok, template, body + [eot], 8, opening) == (None, "short")
+  tail = tok.encode(" a lighthouse keeper.", add_bos=False, add_eos=False)
+  assert query_of(tok, template, tail + [eot], 8, opening) == ("Write a short story about a lighthouse keeper.", "ok")
+
+
 def test_cache_header_names_query_prefixes_only_when_given(smollm2_jax, template, magpie_cache, tmp_path):
   """settings_of (the query cache's header) holds "query_prefixes" (as a list) only for a source
   with prefixes; a header written before the option (its keys only) equals the settings of a

@@ -84,14 +84,15 @@ def query_of(tok, template: MagpieTemplate, tokens: list[int], min_chars: int,
   """(query text, "ok") for generated tokens that make a valid query (after the `opening` tokens
   the target was given, which start the text), else (None, why not): "truncated" (no end-of-turn at
   the end), "special" (another special token inside), "short" (fewer than min_chars characters
-  after stripping, empty included)."""
+  after stripping, empty included, or nothing but whitespace written after the opening: the
+  opening alone is no query)."""
   if not tokens or tokens[-1] != template.end_of_turn:
     return None, "truncated"
   body = list(opening) + list(tokens[:-1])
   if tok.decode(body, skip_special=True) != tok.decode(body, skip_special=False):
     return None, "special"
   text = tok.decode(body, skip_special=True).strip()
-  if len(text) < max(min_chars, 1):
+  if len(text) < max(min_chars, 1) or not tok.decode(list(tokens[:-1]), skip_special=True).strip():
     return None, "short"
   return text, "ok"
 
