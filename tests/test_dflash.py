@@ -138,6 +138,42 @@ def test_config_shapes_and_file_format(tiny_llama, tmp_path):
     make_dflash_drafter(LoadedModel(name="t", cfg=cfg, params=params), str(w), DraftParams(n_max=5))
 
 
+def test_large_drafter_files_are_written_in_shards(tiny_llama, tmp_path):
+  """A drafter past the file-size cap is written as `X.safetensors` + `X-2.safetensors`, ... (each
+  under the cap unless one tensor is larger; the first file names the others): loading the first
+  gives every tensor back, load_dflash gives the same drafter as the one-file save, a smaller
+  re-save leaves no stale shard, and a missing shard is an error."""
+  from safetensors import safe_open
+  from safetensors.numpy import load_file
+
+  from specjax.drafters.head_file import load_tensors, save_tensors
+  cfg, params = tiny_llama
+  dc = DFlashConfig(taps=(0, 1), n_layers=2, block_size=5, window=6)
+  dp = init_dflash(cfg, dc, seed=4, target_params=params)
+  one, _ = save_dflash(tmp_path / "one" / "dflash.safetensors", dp, cfg, dc)
+  flat = load_file(str(one))
+  cap = sum(a.nbytes for a in flat.values()) // 3
+  files = save_tensors(flat, tmp_path / "dflash.safetensors", {"format": "x"}, max_bytes=cap)
+  assert len(files) >= 3 and files[1].name == "dflash-2.safetensors"
+  biggest = max(a.nbytes for a in flat.values())
+  assert all(f.stat().st_size <= max(cap, biggest) + 16_384 for f in files)
+  with safe_open(str(files[0]), framework="numpy") as f:
+    assert f.metadata()["shards"] == ",".join(p.name for p in files[1:]) and f.metadata()["format"] == "x"
+  back = load_tensors(files[0])
+  assert set(back) == set(flat)
+  for k, v in flat.items():
+    np.testing.assert_array_equal(back[k], v)
+  (tmp_path / "dflash.json").write_text((one.parent / "dflash.json").read_text())
+  sharded, dc_back, _ = load_dflash(files[0], cfg)
+  single, _, _ = load_dflash(one, cfg)
+  assert dc_back == dc
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), single, sharded)
+  again = save_tensors(flat, tmp_path / "dflash.safetensors", {"format": "x"}, max_bytes=2 * cap)
+  assert sorted(p.name for p in tmp_path.glob("dflash*.safetensors")) == sorted(p.name for p in again)
+  again[-1].unlink()
+  with pytest.raises(FileNotFoundError, match="not beside it"):
+    load_tensors(again[0])
+
 def test_feature_window_against_reference():
   """Random appends (sometimes more rows than the window), trims and context shifts on a window of
   5 positions: after every edit each sequence's window maps exactly the positions in

@@ -136,7 +136,7 @@ def test_gpu4b_is_gpu4_except_the_fields_it_changes():
   gpu4 = dataclasses.asdict(dflash.load_spec(CONFIGS / "dflash_smollm2_gpu4.yaml"))
   gpu4b = dataclasses.asdict(dflash.load_spec(CONFIGS / "dflash_smollm2_gpu4b.yaml"))
   changed = {"name": "dflash_smollm2_gpu4b", "out_dir": "out/dflash_gpu4b",
-             "export": "out/dflash_gpu4b/export/dflash.safetensors", "data_budget_s": 0, "wall_budget_s": 540}
+             "export": "out/dflash_gpu4b/export/dflash.safetensors", "data_budget_s": 0, "wall_budget_s": 470}
   changed_drafter = {"init_from": "out/dflash_gpu4/export/dflash.safetensors"}
   changed_train = {"lr": 5.0e-4, "warmup_steps": 50}
   assert {k: gpu4b[k] for k in changed} == changed

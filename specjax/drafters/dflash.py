@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
+from specjax.drafters.head_file import file_paths, fill_from_tensors, load_tensors, save_tensors, tensors_from
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
@@ -288,14 +288,13 @@ def drafter_paths(path: str | Path) -> tuple[Path, Path]:
 
 def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *, dtype="bfloat16",
                 extra: dict | None = None) -> tuple[Path, Path]:
-  from safetensors.numpy import save_file
   wpath, cpath = drafter_paths(path)
   wpath.parent.mkdir(parents=True, exist_ok=True)
   pure = nnx.to_pure_dict(dparams) if isinstance(dparams, nnx.State) else dparams
   flat = tensors_from(pure, _names, {f: _split_sizes(cfg, dc, f) for f in FUSED}, dtype=dtype)
   meta = {"format": FORMAT, "dtype": str(jnp.dtype(dtype)), "dflash": dataclasses.asdict(dc),
           "target_config": dataclasses.asdict(cfg), **(extra or {})}
-  save_file(flat, str(wpath), metadata={"format": FORMAT})
+  save_tensors(flat, wpath, {"format": FORMAT})   # in shards past ~19 MB (dflash-2.safetensors, ...)
   cpath.write_text(json.dumps(meta, indent=1, default=str) + "\n")
   return wpath, cpath
 
@@ -303,7 +302,6 @@ def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *
 def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, DFlashConfig, dict]:
   """(drafter params, its DFlashConfig, the JSON config) for target `cfg`; refuses a drafter
   trained for a target of other sizes. `dtype` casts (default: as stored)."""
-  from safetensors.numpy import load_file
   wpath, cpath = drafter_paths(path)
   if not wpath.exists():
     raise FileNotFoundError(f"no DFlash drafter weights at {wpath}")
@@ -315,7 +313,7 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
     raise ValueError(f"DFlash drafter {wpath} was trained for another target: {why}")
   d = dict(meta["dflash"])
   dc = DFlashConfig(**{**d, "taps": tuple(d["taps"])})
-  flat = load_file(str(wpath))
+  flat = load_tensors(wpath)
   abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0))))[1])
   out, used = fill_from_tensors(abstract, flat, _names, what=f"DFlash drafter {wpath}", dtype=dtype, int_keys=True)
   unused = sorted(set(flat) - used)

@@ -71,3 +71,54 @@ def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], tuple[list[
     for name, piece in zip(names, pieces):
       flat[prefix + name] = np.ascontiguousarray(piece)
   return flat
+
+
+# files kept under this size each (repositories and registries often refuse larger ones); a head
+# past it is written as `X.safetensors` plus shards `X-2.safetensors`, ... named in X's metadata
+MAX_FILE_BYTES = 19_000_000
+
+
+def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BYTES) -> list:
+  """Write file tensors `flat` to `wpath` (safetensors), in shards of at most ~max_bytes when they
+  are larger: the first file's metadata "shards" lists the others (comma-separated names in the
+  same folder). Tensors keep their order; one larger than max_bytes gets a shard of its own.
+  -> the files written."""
+  from pathlib import Path
+
+  from safetensors.numpy import save_file
+  wpath = Path(wpath)
+  groups, size = [[]], 0
+  for name, arr in flat.items():
+    if groups[-1] and size + arr.nbytes > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(name)
+    size += arr.nbytes
+  names = [wpath] + [wpath.with_name(f"{wpath.stem}-{i + 1}{wpath.suffix}") for i in range(1, len(groups))]
+  for old in wpath.parent.glob(f"{wpath.stem}-*{wpath.suffix}"):   # shards of an earlier, larger save
+    if old not in names:
+      old.unlink()
+  meta = {k: str(v) for k, v in metadata.items()}
+  if len(groups) > 1:
+    meta["shards"] = ",".join(p.name for p in names[1:])
+  for i, (path, group) in enumerate(zip(names, groups)):
+    save_file({n: flat[n] for n in group}, str(path), metadata=meta if i == 0 else {"shard_of": wpath.name})
+  return names
+
+
+def load_tensors(wpath) -> dict:
+  """The file tensors of `wpath` and of the shards its metadata names (`save_tensors`)."""
+  from pathlib import Path
+
+  from safetensors import safe_open
+  from safetensors.numpy import load_file
+  wpath = Path(wpath)
+  with safe_open(str(wpath), framework="numpy") as f:
+    shards = (f.metadata() or {}).get("shards", "")
+  flat = load_file(str(wpath))
+  for name in filter(None, shards.split(",")):
+    shard = wpath.with_name(name)
+    if not shard.exists():
+      raise FileNotFoundError(f"{wpath} names shard {name}, which is not beside it")
+    flat.update(load_file(str(shard)))
+  return flat

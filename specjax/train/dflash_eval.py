@@ -140,7 +140,7 @@ def plot_eval(results: list[dict], out_png: str | Path, title: str = "") -> Path
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["tau"] for r in rows], 0.4, label="tau")
     ax.bar(x + 0.2, [r["speedup"] for r in rows], 0.4, label="speedup vs plain")
-    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xticks(x, names, fontsize=8, rotation=30, ha="right")
     for i, r in enumerate(rows):
       ax.text(i + 0.2, r["speedup"], f"{r['tokens_per_s']:.0f}/s", ha="center", va="bottom", fontsize=7)
     ax.legend(fontsize=8)
