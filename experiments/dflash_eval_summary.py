@@ -41,6 +41,8 @@ def main(argv=None) -> dict:
   kinds = sorted({s["device"]["device_kind"] for s in sources})
   out = {"results": results, "sources": sources, "devices": kinds,
          "git_revisions": sorted({s["git_revision"] for s in sources})}
+  if len(kinds) == 1:   # one card for every run: its description, as a single eval-dflash file has
+    out["device"] = sources[0]["device"]
   Path(a.out).parent.mkdir(parents=True, exist_ok=True)
   Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
   plot_eval(results, Path(a.out).with_suffix(".png"), title=a.title or f"DFlash and other drafters ({', '.join(kinds)})")
