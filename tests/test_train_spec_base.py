@@ -147,3 +147,26 @@ def test_gpu4b_is_gpu4_except_the_fields_it_changes():
               "train": {**gpu4["train"], **changed_train}}
   assert gpu4b == expected
   assert gpu4b["extra_data"] and gpu4b["heldout_data"]
+
+
+def test_every_committed_training_spec_loads():
+  """Every training spec under configs/ ({mtp,eagle3,dflash}_smollm2*.yaml that are not bench
+  configs) loads with its head's load_spec: `base:` chains and YAML merge keys resolve, every field
+  is known, and no data source is an evaluation set; merge-key folders keep distinct folders."""
+  import yaml
+
+  from specjax.train import eagle3, mtp
+  loaders = {"mtp": mtp.load_spec, "eagle3": eagle3.load_spec, "dflash": dflash.load_spec}
+  loaded = 0
+  for path in sorted(CONFIGS.glob("*.yaml")):
+    head = path.name.split("_")[0]
+    if head not in loaders or "methods" in (yaml.safe_load(path.read_text()) or {}):
+      continue
+    spec = loaders[head](path)
+    for dc in (spec.data,) + tuple(spec.extra_data) + tuple(getattr(spec, "heldout_data", ())):
+      for src in dc.sources:
+        src.check()
+    dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
+    assert len(dirs) == len(set(dirs)), path.name
+    loaded += 1
+  assert loaded >= 15
