@@ -1,7 +1,8 @@
 """DFlash training additions: a warm start into a deeper drafter computes what the trained drafter
 computes (the extra layers start silent) and refuses a drafter of other taps; held-out scoring
 equals the loss function's own metrics on the same rows and anchors; the end-to-end budgeted run
-(held-out set built first, training sets while the data budget allows, warm start, scoring)."""
+(held-out set built first, training sets while the data budget allows, warm start, scoring); the
+side-by-side evaluation's rows (equal to plain decoding, saved row by row)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,26 @@ def test_budgeted_run_builds_held_out_first_warm_starts_and_scores(tiny_llama, t
   held = summary["heldout"]
   assert held["heldout_rows"]["rows"] == 4 and held["training_rows"]["rows"] == 4
   assert held["heldout_rows"]["blocks"] > 0 and 1.0 <= held["heldout_rows"]["tau_est"] <= DC1.block_size
+
+
+def test_eval_rows_equal_plain_decoding_and_are_saved_row_by_row(tiny_llama, tmp_path):
+  """`specjax train eval-dflash`'s evaluate on a toy prompt set: per temperature a plain row, then
+  one row per method; greedy DFlash rows emit exactly plain decoding's tokens
+  (float32: equal_to_plain 1.0) with tau = emitted / rounds in [1, n_max + 1] and acceptance by
+  position in [0, 1]; the partial-result callback sees the rows grow one at a time; the timing
+  repeats are recorded."""
+  from specjax.train.dflash_eval import evaluate
+  cfg, params = tiny_llama
+  target = LoadedModel(name="tiny", cfg=cfg, params=params, tokenizer=ToyTokenizer(), source="tiny-llama")
+  prompts = tmp_path / "toy.jsonl"
+  prompts.write_text("".join(json.dumps({"question_id": i, "turns": ["abcdefgh"[:i + 3]]}) + "\n" for i in range(3)))
+  head, _ = save_dflash(tmp_path / "d", _random_drafter(cfg, DC1, 5), cfg, DC1, dtype="float32")
+  methods = {"dflash n3": ("dflash", str(head), 3, {})}
+  seen = []
+  res = evaluate(target, methods, prompt_set=str(prompts), n_questions=3, temperatures=(0.0,), max_new_tokens=6,
+                 batch_size=2, progress=False, on_row=lambda r: seen.append(len(r["rows"])), repeats=2)
+  assert [r["method"] for r in res["rows"]] == ["plain", "dflash n3"] and seen == [1, 2]
+  assert res["repeats"] == 2 and res["questions"] == ["0", "1", "2"]
+  for row in res["rows"][1:]:
+    assert row["equal_to_plain"] == 1.0 and row["tokens"] == res["rows"][0]["tokens"]
+    assert 1.0 <= row["tau"] <= row["n_max"] + 1 and all(0.0 <= a <= 1.0 for a in row["acceptance_by_pos"])

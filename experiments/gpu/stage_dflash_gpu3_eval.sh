@@ -9,6 +9,7 @@
 #   bash experiments/gpu/stage_dflash_gpu3_eval.sh
 #   PROMPTS=mt_bench:24 TREE=32 bash experiments/gpu/stage_dflash_gpu3_eval.sh
 #   N_MAX= TREE=64,128 TREE_DEPTH=12 bash experiments/gpu/stage_dflash_gpu3_eval.sh   # trees only (N_MAX empty: no chain)
+#   REPEATS=3 ...   # each batch timed 3 times, the fastest counts (runs of one call vary by several percent)
 #   SMOKE=1 bash experiments/gpu/stage_dflash_gpu3_eval.sh   # CPU-sized, after SMOKE=1 stage_dflash_gpu3.sh
 source experiments/gpu/stage_mtp2_common.sh
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -30,6 +31,7 @@ TAG=${TAG:-dflash_gpu3_eval}
   timed_run "$TAG" "${EVAL_TIMEOUT:-540}" python3 -m specjax.cli train eval-dflash --config "$DF" \
     --head "$HEAD" --prompts "$PROMPTS" --temperatures "${TEMPS:-0,0.7}" --n-max "${N_MAX-15}" \
     --tree "${TREE:-32,64}" --tree-depth "${TREE_DEPTH:-8}" --tree-top-k "${TREE_TOP_K:-8}" $SIZE \
+    --repeats "${REPEATS:-1}" \
     $([ -f "$MTP" ] && echo "--mtp-head $MTP") \
     $([ -f "$E3" ] && echo "--eagle3-head $E3 --eagle3-tree ${E3_TREE:-32}") \
     --out "$OUT/$TAG.json"

@@ -242,7 +242,7 @@ def cmd_eval_dflash(args) -> int:
     out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=n,
                                    temperatures=tuple(float(x) for x in args.temperatures.split(",")),
                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
-                                   progress=not args.quiet, on_row=save))
+                                   progress=not args.quiet, on_row=save, repeats=args.repeats))
     save()
     plot_eval(out["results"], Path(args.out).with_suffix(".png"),
               title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
@@ -278,6 +278,7 @@ def add_dflash_commands(tsub, common) -> None:
   e.add_argument("--temperatures", default="0,0.7")
   e.add_argument("--max-new-tokens", type=int, default=128)
   e.add_argument("--batch-size", type=int, default=8)
+  e.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest")
   e.add_argument("--mtp-head", default=None, help="also run this MTP head (n_max 3) side by side")
   e.add_argument("--eagle3-head", default=None, help="also run this EAGLE-3 head (chain, n_max 5) side by side")
   e.add_argument("--eagle3-tree", default="", help="and EAGLE-2 trees of these node budgets over it (e.g. 32)")

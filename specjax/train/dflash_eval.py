@@ -25,11 +25,12 @@ def first_turns(target, prompt_set: str, n_questions: int) -> tuple[list, list[l
 
 def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions: int = 16,
              temperatures=(0.0, 0.7), max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-             capacity: int | None = None, progress: bool = True, on_row=None) -> dict:
+             capacity: int | None = None, progress: bool = True, on_row=None, repeats: int = 1) -> dict:
   """methods: {label: (speculator name, head path, n_max, options)}, each made by the registry.
   `capacity`: KV slots (default: enough for these prompts); one capacity for several prompt sets
   lets their runs share compiled decode loops. `on_row(result so far)` is called after each row
-  (a caller can save partial results of a long run)."""
+  (a caller can save partial results of a long run). `repeats`: each batch is timed that many
+  times and its fastest run counts (short batch-1 runs on a GPU vary by several percent)."""
   from specjax.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
@@ -56,10 +57,13 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
         fn(chunk)
         warmed.add(shape)
     outs, secs = [], 0.0
-    for chunk in batches:
-      t0 = time.perf_counter()
-      r = fn(chunk)
-      secs += time.perf_counter() - t0
+    for chunk in batches:          # the fastest of `repeats` runs of each batch (same tokens each time)
+      best = float("inf")
+      for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        r = fn(chunk)
+        best = min(best, time.perf_counter() - t0)
+      secs += best
       outs.append(r)
     return outs, secs
 
@@ -105,6 +109,7 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
         print(f"[eval {prompt_set} T={temp}] {label}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} tok/s "
               f"({row['speedup']:.2f}x), acceptance {row['acceptance_by_pos'][:8]}"
               + (f", equal to plain {row['equal_to_plain']:.2f}" if temp == 0 else ""), flush=True)
+  result["repeats"] = max(1, repeats)
   return result
 
 
