@@ -117,7 +117,8 @@ def test_tied_scores_keep_the_tree_prefix_closed(budget):
 def test_registry_and_limits(tiny_llama, tmp_path):
   """`dflash_tree` loads a saved drafter through the registry with the node budget n_max and the
   options depth / top_k / block_size; depth past block_size - 1 and a budget past the candidates
-  are refused with what to change; the chain's logits are the first max_draft positions of the pass."""
+  are refused with what to change (without --head: for SmolLM2, the committed heads are named);
+  the chain's logits are the first max_draft positions of the pass."""
   cfg, params = tiny_llama
   assert "dflash_tree" in ALL
   dp = init_dflash(cfg, DC, seed=3, target_params=params)
@@ -133,8 +134,14 @@ def test_registry_and_limits(tiny_llama, tmp_path):
     make(10, depth=4, top_k=4)
   with pytest.raises(ValueError, match=r"node budget n_max 37 must be in \[1, 36\]"):
     make(37, depth=3, top_k=4)
-  with pytest.raises(ValueError, match="needs a trained DFlash drafter"):
+  with pytest.raises(ValueError, match=r"needs a trained DFlash drafter \(--head PATH\)$"):
     make_speculator("dflash_tree", target, draft_params=DraftParams(n_max=8))
+  # for SmolLM2 the error names the committed heads (they are in this checkout)
+  smol = LoadedModel(name="smollm2-135m-instruct", cfg=None, params=None)
+  for name, asset in (("dflash_tree", "dflash_smollm2_gpu4/dflash.safetensors"),
+                      ("eagle3", "eagle3_smollm2_gpu3/eagle3_head.safetensors"), ("mtp", "mtp_smollm2_gpu2/mtp_head.safetensors")):
+    with pytest.raises(ValueError, match=f"committed: --head .*assets/{asset}$"):
+      make_speculator(name, smol)
   seqs = [[3, 1, 4, 1, 5], [9, 2, 6]]
   toks, lens, taps = _prefill(params, cfg, [s[:-1] for s in seqs])
   chain = DFlashDrafter(cfg=cfg, dc=DC, max_draft=2, weights=d.weights)

@@ -18,6 +18,25 @@ MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--he
 MODEL_SPECULATORS += ("dflash_tree",)               # DFlash pass -> best-first token tree (--head PATH; node budget
                                                     # n_max; options depth, top_k, block_size, window)
 ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
+# heads trained for a target and committed under assets/ (a source checkout has them): named in the
+# error when a head speculator is asked for without --head
+COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "mtp_smollm2_gpu2/mtp_head.safetensors",
+                                             "eagle3": "eagle3_smollm2_gpu3/eagle3_head.safetensors",
+                                             "dflash": "dflash_smollm2_gpu4/dflash.safetensors"}}
+
+
+def _needs_head(name: str, what: str, target) -> ValueError:
+  """The error for a head speculator without a head, naming a committed head for this target when
+  the checkout has one."""
+  from pathlib import Path
+  kind = name.split("_")[0]
+  model = str(getattr(target, "name", "") or "").lower()
+  hint = ""
+  for key, heads in COMMITTED_HEADS.items():
+    path = Path(__file__).resolve().parents[2] / "assets" / heads[kind] if kind in heads else None
+    if model.startswith(key) and path is not None and path.exists():
+      hint = f"; for {key} a trained one is committed: --head {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}"
+  return ValueError(f"speculator {name!r} needs a trained {what} (--head PATH){hint}")
 
 
 def _host(name: str, options: dict[str, Any]):
@@ -61,24 +80,24 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
   if name == "mtp":
     from specjax.drafters.mtp import make_mtp_drafter
     if head is None:
-      raise ValueError("speculator 'mtp' needs a trained head (--head PATH)")
+      raise _needs_head(name, "MTP head", target)
     return make_mtp_drafter(target, head, draft_params)
   if name in ("eagle3", "eagle3_tree"):   # EAGLE-3 heads: chains, or EAGLE-2 trees (opts: depth, top_k, seed)
     from specjax.drafters.eagle3 import make_eagle3_drafter
     if head is None:
-      raise ValueError(f"speculator {name!r} needs a trained EAGLE-3 head (--head PATH)")
+      raise _needs_head(name, "EAGLE-3 head", target)
     return make_eagle3_drafter(target, head, draft_params, tree=name == "eagle3_tree",
                                **{k: v for k, v in opts.items() if k in ("depth", "top_k", "seed")})
   if name == "dflash":   # DFlash: one pass drafts a block; n_max <= block_size - 1
     from specjax.drafters.dflash import make_dflash_drafter
     if head is None:
-      raise ValueError("speculator 'dflash' needs a trained DFlash drafter (--head PATH)")
+      raise _needs_head(name, "DFlash drafter", target)
     return make_dflash_drafter(target, head, draft_params,
                                **{k: v for k, v in opts.items() if k in ("block_size", "window", "seed")})
   if name == "dflash_tree":   # one DFlash pass drafts a tree: n_max nodes, depth <= block_size - 1
     from specjax.drafters.dflash_tree import make_dflash_tree_drafter
     if head is None:
-      raise ValueError("speculator 'dflash_tree' needs a trained DFlash drafter (--head PATH)")
+      raise _needs_head(name, "DFlash drafter", target)
     return make_dflash_tree_drafter(target, head, draft_params, **{k: v for k, v in opts.items()
                                                                    if k in ("depth", "top_k", "block_size", "window", "seed")})
   return _host(name, {k: v for k, v in opts.items() if k != "device"})
