@@ -28,14 +28,13 @@ COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "mtp_smollm2_gpu2/mtp_head.s
 def _needs_head(name: str, what: str, target) -> ValueError:
   """The error for a head speculator without a head, naming a committed head for this target when
   the checkout has one."""
+  import os
   from pathlib import Path
-  kind = name.split("_")[0]
-  model = str(getattr(target, "name", "") or "").lower()
-  hint = ""
+  kind, model, hint = name.split("_")[0], str(getattr(target, "name", "") or "").lower(), ""
   for key, heads in COMMITTED_HEADS.items():
-    path = Path(__file__).resolve().parents[2] / "assets" / heads[kind] if kind in heads else None
-    if model.startswith(key) and path is not None and path.exists():
-      hint = f"; for {key} a trained one is committed: --head {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}"
+    path = Path(__file__).resolve().parents[2] / "assets" / heads.get(kind, "-")
+    if model.startswith(key) and path.is_file():
+      hint = f"; for {key} a trained one is committed: --head {os.path.relpath(path)}"
   return ValueError(f"speculator {name!r} needs a trained {what} (--head PATH){hint}")
 
 
