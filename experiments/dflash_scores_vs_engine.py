@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -63,13 +62,13 @@ def main(argv=None) -> dict:
       chunk = prompts[i:i + a.batch_size]
       answers += generate_plain(params, cfg, chunk, max_new_tokens=a.max_new_tokens, sampling=greedy(len(chunk)),
                                 stop_ids=stop, capacity=cap).tokens
-      for r in [speculative_generate(params, cfg, chunk, drafter, max_new_tokens=a.max_new_tokens,
-                                     sampling=greedy(len(chunk)), draft_params=DraftParams(n_max=n_max),
-                                     stop_ids=stop, capacity=cap)]:
-        rounds += r.stats.rounds
-        emitted += r.stats.emitted
-        drafted = drafted + np.asarray(r.stats.drafted_by_pos[:n_max])
-        accepted = accepted + np.asarray(r.stats.accepted_by_pos[:n_max])
+      r = speculative_generate(params, cfg, chunk, drafter, max_new_tokens=a.max_new_tokens,
+                               sampling=greedy(len(chunk)), draft_params=DraftParams(n_max=n_max),
+                               stop_ids=stop, capacity=cap)
+      rounds += r.stats.rounds
+      emitted += r.stats.emitted
+      drafted = drafted + np.asarray(r.stats.drafted_by_pos[:n_max])
+      accepted = accepted + np.asarray(r.stats.accepted_by_pos[:n_max])
     # the target's greedy answers as training-style rows: prompt + answer, right-padded
     seqs = [list(p) + list(t) for p, t in zip(prompts, answers)]
     width = max(len(s) for s in seqs)

@@ -17,7 +17,7 @@ mkdir -p "$OUT" "$PERSIST"
 # a fresh machine: what an earlier machine's stages returned (the data tar, heads) can be carried in
 # .gpucarry/persist/ (ignored by git, named in the call's carry) and seeds $PERSIST
 [ -d .gpucarry/persist ] && cp -rn .gpucarry/persist/. "$PERSIST/" && echo "[mtp2] seeded $PERSIST from .gpucarry/persist: $(ls .gpucarry/persist | tr '\n' ' ')"
-# a file too big for one call travels in parts (`split -b 12M -d F F.part` here, `stat -c %s F > F.size`),
+# a file too big for one call travels in parts (`split -b 10M -d F F.part` here, `stat -c %s F > F.size`),
 # one call each; it is joined once every part is there (their sizes add up to F.size)
 assemble_parts() {   # assemble_parts DIR
   local size f

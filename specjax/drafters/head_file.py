@@ -96,7 +96,7 @@ def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BY
     size += arr.nbytes
   names = [wpath] + [wpath.with_name(f"{wpath.stem}-{i + 1}{wpath.suffix}") for i in range(1, len(groups))]
   for old in wpath.parent.glob(f"{wpath.stem}-*{wpath.suffix}"):   # shards of an earlier, larger save
-    if old not in names:
+    if old.stem[len(wpath.stem) + 1:].isdigit() and old not in names:
       old.unlink()
   meta = {k: str(v) for k, v in metadata.items()}
   if len(groups) > 1:

@@ -73,7 +73,8 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
   rows = []
   result = {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
             "max_new_tokens": max_new_tokens, "batch_size": batch_size, "capacity": cap,
-            "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()}, "rows": rows}
+            "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()},
+            "repeats": max(1, repeats), "rows": rows}
   for temp in temperatures:
     plain, plain_s = timed(lambda c: generate_plain(params, cfg, c, max_new_tokens=max_new_tokens,
                                                     sampling=sampling(len(c), temp), stop_ids=stop, capacity=cap), "plain")
@@ -109,7 +110,6 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
         print(f"[eval {prompt_set} T={temp}] {label}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} tok/s "
               f"({row['speedup']:.2f}x), acceptance {row['acceptance_by_pos'][:8]}"
               + (f", equal to plain {row['equal_to_plain']:.2f}" if temp == 0 else ""), flush=True)
-  result["repeats"] = max(1, repeats)
   return result
 
 
