@@ -13,14 +13,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
 import jax.numpy as jnp
 
+from specjax import request
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
+from specjax.errors import UserError
 from specjax.models.load import LoadedModel, load_model
 from specjax.sampling import SamplingParams
 from specjax.stats import SpecStats
@@ -28,7 +31,9 @@ from specjax.stats import SpecStats
 
 def load(name_or_path: str, dtype: str = "float32") -> LoadedModel:
   """Load a model by fetch name (downloaded on first use), GGUF path or HF directory."""
-  return load_model(name_or_path, dtype=jnp.dtype(dtype))
+  if not isinstance(name_or_path, (str, os.PathLike)):
+    raise UserError(f"model must be a fetch name or a path, got {type(name_or_path).__name__}")
+  return load_model(str(name_or_path), dtype=jnp.dtype(request.check_choice("dtype", str(dtype), request.DTYPES)))
 
 
 @dataclasses.dataclass
@@ -43,14 +48,17 @@ class Output:
     return sum(len(t) for t in self.tokens) / max(self.seconds, 1e-9)
 
 
-def encode_prompts(target: LoadedModel, prompts: Sequence[str | list[int]], chat: bool) -> list[list[int]]:
+def encode_prompts(target: LoadedModel, prompts: Sequence[str | list[int]], chat: bool,
+                   parse_special: bool = False) -> list[list[int]]:
+  """Token ids of each prompt. With `chat`, a text is the user message of a one-turn chat, and
+  control-token strings in it stay text unless `parse_special` (a user cannot forge a turn)."""
   out = []
-  for p in prompts:
+  for p in request.prompt_list(prompts):
     if isinstance(p, str):
       if target.tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; this model has none (pass token lists)")
-      out.append(target.tokenizer.encode_chat([{"role": "user", "content": p}]) if chat
-                 else target.tokenizer.encode(p))
+        raise UserError("text prompts need a tokenizer; this model has none (pass token lists)")
+      out.append(target.tokenizer.encode_chat([{"role": "user", "content": p}], parse_special=parse_special)
+                 if chat else target.tokenizer.encode(p))
     else:
       out.append(list(p))
   return out
@@ -60,26 +68,44 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
              sampling: SamplingParams | dict | None = None, draft_params: DraftParams | dict | None = None,
              max_new_tokens: int = 128, chat: bool = True, stop_at_eos: bool = True,
              draft_model: LoadedModel | str | None = None, head: Any = None,
-             capacity: int | None = None, rollback: str = "per_step", adaptive: bool = False) -> Output:
+             capacity: int | None = None, rollback: str = "per_step", adaptive: bool = False,
+             parse_special: bool = False) -> Output:
   """Generate for a batch of prompts (text or token lists), with or without speculation.
 
   rollback: how a hybrid (recurrent) target's state goes back after a rejected draft: "per_step"
   (verification keeps the state after each position) or "redecode" (restore the pre-verification
   state and re-run the accepted tokens). Attention-only targets roll back by KV length either way.
   adaptive: per-sequence draft lengths from running acceptance and a verification width chosen by
-  measured cost (`specjax.adaptive`); n_max is then the upper bound."""
-  tokens = encode_prompts(target, prompts, chat)
-  b = len(tokens)
-  if isinstance(sampling, dict) or sampling is None:
-    sampling = SamplingParams.make(b, **(sampling or {}))
+  measured cost (`specjax.adaptive`); n_max is then the upper bound.
+  parse_special: with `chat`, parse control-token strings inside the prompts (default: text).
+
+  Every argument is checked before anything compiles; a bad one raises `UserError` naming it."""
+  prompts = request.prompt_list(prompts)
+  b = len(prompts)
+  max_new_tokens = request.check_max_new_tokens(max_new_tokens)
+  request.check_choice("rollback", rollback, request.ROLLBACKS)
+  request.check_speculator(speculator)
+  if sampling is None or isinstance(sampling, dict):
+    sampling = SamplingParams.make(b, **request.check_sampling(sampling or {}, b))
+  elif not isinstance(sampling, SamplingParams):
+    request.check_sampling(sampling, b)          # raises: names the type
+  if isinstance(draft_params, dict):
+    draft_params = DraftParams(**request.check_draft_params(draft_params, b))
+  elif draft_params is not None and not isinstance(draft_params, DraftParams):
+    request.check_draft_params(draft_params, b)  # raises: names the type
+  elif isinstance(draft_params, DraftParams):
+    request.check_draft_params(dataclasses.asdict(draft_params), b)
+  if speculator is None and (draft_model is not None or head is not None or adaptive):
+    raise UserError("draft_model, head and adaptive apply to speculative generation: give a speculator")
+  tokens = encode_prompts(target, prompts, chat, parse_special)
+  request.check_tokens(tokens, target.cfg.vocab_size)
+  request.check_context(tokens, max_new_tokens, getattr(target, "context_length", None))
   stop_ids = tuple(target.tokenizer.eos_ids) if (stop_at_eos and target.tokenizer is not None) else ()
   if speculator is None:
     r = generate_plain(target.params, target.cfg, tokens, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_ids=stop_ids, capacity=capacity)
     stats, seconds, out_tokens = None, r.seconds, r.tokens
   else:
-    if isinstance(draft_params, dict):
-      draft_params = DraftParams(**draft_params)
     drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head)
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,

@@ -11,6 +11,8 @@ off. Library users keep JAX's own setting: importing specjax changes nothing.
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -34,8 +36,21 @@ def enable(min_compile_seconds: float = 1.0) -> Path | None:
     return None
   if jax.config.jax_compilation_cache_dir:       # the user configured one: leave it
     return Path(jax.config.jax_compilation_cache_dir)
-  path.mkdir(parents=True, exist_ok=True)
+  if not _writable(path):                         # e.g. a read-only SPECJAX_HOME: run, just uncached
+    print(f"note: compile cache off ({path} is not writable); set SPECJAX_COMPILE_CACHE_DIR to a "
+          "writable folder to keep compiled programs", file=sys.stderr)
+    return None
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+def _writable(path: Path) -> bool:
+  """The folder exists (or can be made) and a file can be created in it."""
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+      return True
+  except OSError:
+    return False

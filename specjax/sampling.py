@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import UserError
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -25,14 +27,19 @@ class SamplingParams:
   @staticmethod
   def make(batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":
     """Broadcast scalars or per-sequence lists to [B] arrays; check their ranges."""
-    arr = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (batch,)).copy()
-    t, k, p, s = arr(temperature, np.float32), arr(top_k, np.int32), arr(top_p, np.float32), arr(seed, np.int64)
-    if (t < 0).any():
-      raise ValueError(f"temperature must be >= 0, got {t}")
+    def arr(x, dt, name):
+      a = np.asarray(x, dt)
+      if a.size not in (1, batch):
+        raise UserError(f"{name} has {a.size} values for {batch} sequence(s): give one, or one per sequence")
+      return np.broadcast_to(a.reshape(-1) if a.size == batch else a.reshape(()), (batch,)).copy()
+    t, k, p, s = (arr(temperature, np.float32, "temperature"), arr(top_k, np.int32, "top_k"),
+                  arr(top_p, np.float32, "top_p"), arr(seed, np.int64, "seed"))
+    if not (np.isfinite(t) & (t >= 0)).all():
+      raise UserError(f"temperature must be a finite number >= 0, got {t}")
     if (k < 0).any():
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {k}")
-    if ((p <= 0) | (p > 1)).any():
-      raise ValueError(f"top_p must be in (0, 1], got {p}")
+      raise UserError(f"top_k must be >= 0 (0 = off), got {k}")
+    if not ((p > 0) & (p <= 1)).all():          # NaN fails both comparisons
+      raise UserError(f"top_p must be in (0, 1], got {p}")
     if batch > 1 and np.ndim(seed) == 0:
       s = s + np.arange(batch)   # distinct streams per sequence unless seeds are given per sequence
     return SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(s.astype(np.uint32)))

@@ -13,8 +13,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import UserError
 
-class CacheOverflowError(ValueError):
+
+class CacheOverflowError(UserError):
   """A sequence would grow past the KV cache's capacity."""
 
 

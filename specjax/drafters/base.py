@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from specjax.errors import UserError
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +87,12 @@ class DraftParams:
   def arrays(self, batch: int, max_draft: int) -> dict[str, np.ndarray]:
     arr = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (batch,)).copy()
     n_max, n_min, p_min = arr(self.n_max, np.int32), arr(self.n_min, np.int32), arr(self.p_min, np.float32)
-    if (n_max < 0).any() or (n_max > max_draft).any():
-      raise ValueError(f"n_max must be in [0, {max_draft}] for this drafter, got {n_max}")
+    if (n_max < 0).any():
+      raise UserError(f"n_max must be >= 0 (0 = no drafting), got {n_max}")
+    if (n_max > max_draft).any():
+      raise UserError(f"n_max must be at most {max_draft} for this drafter, got {n_max}")
     if (n_min < 0).any() or (n_min > n_max).any():
-      raise ValueError(f"n_min must be in [0, n_max], got n_min={n_min}, n_max={n_max}")
-    if ((p_min < 0) | (p_min > 1)).any():
-      raise ValueError(f"p_min must be in [0, 1], got {p_min}")
+      raise UserError(f"n_min must be in [0, n_max], got n_min={n_min}, n_max={n_max}")
+    if not ((p_min >= 0) & (p_min <= 1)).all():
+      raise UserError(f"p_min must be in [0, 1], got {p_min}")
     return {"n_max": n_max, "n_min": n_min, "p_min": p_min}

@@ -39,6 +39,7 @@ from flax import nnx
 from specjax.drafters.base import Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, load_tensors, save_tensors, tensors_from
 from specjax.drafters.feature_window import FeatureWindow
+from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm, rope
@@ -310,7 +311,7 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
   bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim") if got.get(k) != want[k]]
   if bad or max(meta["dflash"]["taps"]) >= cfg.n_layers:
     why = ", ".join(f"{k} {got.get(k)} != {want[k]}" for k in bad) or f"taps {meta['dflash']['taps']} exceed its layers"
-    raise ValueError(f"DFlash drafter {wpath} was trained for another target: {why}")
+    raise UserError(f"DFlash drafter {wpath} was trained for another target: {why}")
   d = dict(meta["dflash"])
   dc = DFlashConfig(**{**d, "taps": tuple(d["taps"])})
   flat = load_tensors(wpath)
@@ -318,7 +319,7 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
   out, used = fill_from_tensors(abstract, flat, _names, what=f"DFlash drafter {wpath}", dtype=dtype, int_keys=True)
   unused = sorted(set(flat) - used)
   if unused:
-    raise ValueError(f"DFlash drafter {wpath} has tensors with no place in this drafter: {unused[:6]}")
+    raise UserError(f"DFlash drafter {wpath} has tensors with no place in this drafter: {unused[:6]}")
   return out, dc, meta
 
 
@@ -345,6 +346,6 @@ def make_dflash_drafter(target, head, draft_params=None, *, block_size: int | No
   if draft_params is not None:
     n_max = int(np.max(np.asarray(draft_params.n_max)))
   if n_max > dc.block_size - 1:
-    raise ValueError(f"n_max {n_max} exceeds the block's {dc.block_size - 1} drafts; raise block_size")
+    raise UserError(f"n_max {n_max} exceeds the block's {dc.block_size - 1} drafts; raise block_size")
   return DFlashDrafter(cfg=target.cfg, dc=dc, max_draft=max(n_max, 1), seed=seed,
                        weights={"dflash": dparams, "target": target.params})

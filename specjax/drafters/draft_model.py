@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
 from specjax.state import KVCache
 
 
-class IncompatibleDraftError(ValueError):
+class IncompatibleDraftError(UserError):
   """Draft and target cannot share tokens (llama.cpp's compatibility rules)."""
 
 

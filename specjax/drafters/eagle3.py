@@ -51,6 +51,7 @@ from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
+from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, embed_tokens, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
@@ -471,7 +472,7 @@ def load_head(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, np.
   bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers")
          if k in got and got[k] != want[k]]
   if bad:
-    raise ValueError(f"EAGLE-3 head {wpath} was trained for another target: "
+    raise UserError(f"EAGLE-3 head {wpath} was trained for another target: "
                      + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad))
   hc = Eagle3Config.make(cfg, meta["draft_vocab"], meta["ffn_dim"], meta["tap_layers"])
   flat = load_file(str(wpath))
@@ -481,7 +482,7 @@ def load_head(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, np.
   pure, used = fill_from_tensors(abstract, flat, _file_names, what=f"EAGLE-3 head {wpath}", dtype=dtype)
   unused = sorted(set(flat) - used)
   if unused:
-    raise ValueError(f"EAGLE-3 head {wpath} has tensors this head has no place for: {unused[:6]}")
+    raise UserError(f"EAGLE-3 head {wpath} has tensors this head has no place for: {unused[:6]}")
   return pure, d2t, hc, meta
 
 

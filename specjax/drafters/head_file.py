@@ -122,3 +122,50 @@ def load_tensors(wpath) -> dict:
       raise FileNotFoundError(f"{wpath} names shard {name}, which is not beside it")
     flat.update(load_file(str(shard)))
   return flat
+
+
+# the `format` field of each head kind's JSON config, and what the head is called in messages
+HEAD_KINDS = {"specjax-mtp-v1": "an MTP head", "specjax-eagle3-v1": "an EAGLE-3 head",
+              "specjax-dflash-v1": "a DFlash drafter"}
+
+
+def check_head_file(path, stem: str, fmt: str, *, config_optional: bool = False):
+  """(weights, config) paths of a head for a speculator that needs format `fmt`, after the checks
+  that need no model: both files exist, the JSON parses and is of that kind (not another kind of
+  head), and the weights (and the shards they name) are safetensors files. Raises UserError."""
+  import json
+
+  from safetensors import safe_open
+
+  from specjax.errors import UserError
+  wpath, cpath = file_paths(path, stem)
+  want = HEAD_KINDS[fmt]
+  if not wpath.is_file():
+    raise UserError(f"head {path}: no weights file {wpath}")
+  meta = {}
+  if cpath.is_file():
+    try:
+      meta = json.loads(cpath.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+      raise UserError(f"head config {cpath} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+      raise UserError(f"head config {cpath} is not a JSON object")
+  elif not config_optional:
+    raise UserError(f"head {path}: no config file {cpath} beside its weights")
+  got = meta.get("format")
+  if cpath.is_file() and got != fmt:
+    kind = HEAD_KINDS.get(got, f"a file of format {got!r}" if got else "not a specjax head config")
+    raise UserError(f"head {wpath} is {kind}; this speculator needs {want} ({fmt})")
+  files, i = [wpath], 0
+  while i < len(files):
+    if not files[i].is_file():
+      raise UserError(f"head weights {wpath} name shard {files[i].name}, which is not beside them")
+    try:
+      with safe_open(str(files[i]), framework="numpy") as f:
+        if i == 0:
+          files += [wpath.with_name(n) for n in filter(None, (f.metadata() or {}).get("shards", "").split(","))]
+    except Exception as e:        # safetensors raises its own error type for a bad header
+      why = str(e).splitlines()[0] if str(e) else "unreadable"
+      raise UserError(f"head weights {files[i]} are not a readable safetensors file ({why})") from None
+    i += 1
+  return wpath, cpath

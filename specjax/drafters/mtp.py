@@ -39,6 +39,7 @@ from flax import nnx
 
 from specjax.drafters.base import Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
+from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm
@@ -317,7 +318,7 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
   bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
          if k in got and got[k] != want[k]]
   if bad:
-    raise ValueError(f"MTP head {wpath} was trained for another target: "
+    raise UserError(f"MTP head {wpath} was trained for another target: "
                      + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad))
   flat = load_file(str(wpath))
   n_heads = int(meta.get("n_heads", 1 + max(int(k.split(".")[1]) for k in flat)))
@@ -330,7 +331,7 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
     used |= names
   unused = sorted(set(flat) - used)
   if unused:
-    raise ValueError(f"MTP head {wpath} has tensors this target's head has no place for: {unused[:6]}")
+    raise UserError(f"MTP head {wpath} has tensors this target's head has no place for: {unused[:6]}")
   return tuple(heads), meta
 
 

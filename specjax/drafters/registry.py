@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specjax.errors import UserError
+
 HOST_SPECULATORS = {
     "ngram_simple": ("specjax.drafters.ngram", "NgramSimple"),
     "ngram_map_k": ("specjax.drafters.ngram", "NgramMapK"),
@@ -25,6 +27,23 @@ COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "mtp_smollm2_gpu2/mtp_head.s
                                              "dflash": "dflash_smollm2_gpu4/dflash.safetensors"}}
 
 
+# head speculators: (file stem of a head directory, the `format` its JSON config carries)
+HEAD_FILES = {"mtp": ("mtp_head", "specjax-mtp-v1"), "eagle3": ("eagle3_head", "specjax-eagle3-v1"),
+              "eagle3_tree": ("eagle3_head", "specjax-eagle3-v1"), "dflash": ("dflash", "specjax-dflash-v1"),
+              "dflash_tree": ("dflash", "specjax-dflash-v1")}
+
+
+def check_head(name: str, head) -> None:
+  """The checks of a head file for speculator `name` that need no model (files present, the right
+  kind of head, readable safetensors): a wrong or broken head is one UserError before any loading."""
+  from pathlib import Path
+
+  from specjax.drafters.head_file import check_head_file
+  if name in HEAD_FILES and isinstance(head, (str, Path)):
+    stem, fmt = HEAD_FILES[name]
+    check_head_file(head, stem, fmt, config_optional=name == "mtp")
+
+
 def _needs_head(name: str, what: str, target) -> ValueError:
   """The error for a head speculator without a head, naming a committed head for this target when
   the checkout has one."""
@@ -35,7 +54,7 @@ def _needs_head(name: str, what: str, target) -> ValueError:
     path = Path(__file__).resolve().parents[2] / "assets" / heads.get(kind, "-")
     if model.startswith(key) and path.is_file():
       hint = f"; for {key} a trained one is committed: --head {os.path.relpath(path)}"
-  return ValueError(f"speculator {name!r} needs a trained {what} (--head PATH){hint}")
+  return UserError(f"speculator {name!r} needs a trained {what} (--head PATH){hint}")
 
 
 def _host(name: str, options: dict[str, Any]):
@@ -52,15 +71,16 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
   names = [s.strip() for s in spec.split(",") if s.strip()]
   unknown = [n for n in names if n not in ALL]
   if unknown:
-    raise ValueError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
+    raise UserError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
   options = options or {}
   if len(names) > 1:
     if any(n in MODEL_SPECULATORS for n in names):
-      raise ValueError("chains of the model drafter with host speculators are not supported yet; "
+      raise UserError("chains of the model drafter with host speculators are not supported yet; "
                        "chain host speculators (ngram_*, suffix)")
     from specjax.drafters.chain import Chain
     return Chain([_host(n, options.get(n, {})) for n in names], policy=policy)
   name = names[0]
+  check_head(name, head)
   opts = options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {})
   if name == "ngram_simple" and opts.get("device", True):
     from specjax.drafters.ngram_device import NgramSimpleDevice
@@ -106,7 +126,7 @@ def make_draft_model_drafter(target, draft_model, draft_params=None, **opts):
   from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
   from specjax.models.load import LoadedModel, load_model
   if draft_model is None:
-    raise ValueError("speculator 'draft' needs a draft model (--draft-model NAME|PATH)")
+    raise UserError("speculator 'draft' needs a draft model (--draft-model NAME|PATH)")
   if not isinstance(draft_model, LoadedModel):
     import jax
     dtype = jax.tree_util.tree_leaves(target.params)[0].dtype

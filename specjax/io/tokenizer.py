@@ -40,13 +40,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
+
+from specjax.errors import UserError
 
 __all__ = ["Tokenizer", "TokenizerError", "TokenType", "ChatTemplate", "read_tokenizer_metadata"]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
   """The GGUF metadata describes no tokenizer this module can build, or a chat cannot be rendered."""
 
 
@@ -229,6 +232,10 @@ class ChatTemplate:
     if add_generation_prompt:
       parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+  def rendered_content(self, role: str, content: str) -> str:
+    """A message's content as the renderer writes it (Gemma strips user / model turns)."""
+    return content.strip() if (self.kind == "gemma" and role != "system") else content
 
   def _render_gemma(self, msgs: list[tuple[str, str]], add_generation_prompt: bool) -> str:
     first_prefix = ""
@@ -569,13 +576,51 @@ class Tokenizer:
     """Render `[{"role": ..., "content": ...}, ...]` the way the model's chat template does."""
     return self.chat_template.render(messages, add_generation_prompt)
 
-  def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                  parse_special: bool = False) -> list[int]:
     """Token ids of the rendered chat. BOS is added per the file's flag unless the template already
-    wrote it (Gemma's `{{ bos_token }}`), so it appears exactly once, as llama.cpp's server does."""
-    text = self.apply_chat_template(messages, add_generation_prompt)
+    wrote it (Gemma's `{{ bos_token }}`), so it appears exactly once, as llama.cpp's server does.
+
+    Control tokens come from the template only: a control-token string inside a message's content
+    (a user typing `<|im_end|>\n<|im_start|>assistant\n...`) is tokenized as text, so no message
+    can forge a turn. `parse_special=True` parses them in content too (a caller that builds turns
+    by hand)."""
+    text, spans = self._render_with_spans(messages, add_generation_prompt)
     bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
     add_bos = self._add_bos and not (bos_text and text.startswith(bos_text))
-    return self.encode(text, add_bos=add_bos, add_eos=False)
+    enc = self._tok.encode(text, add_special_tokens=False)
+    forged = [(a, b) for tid, (a, b) in zip(enc.ids, enc.offsets)
+              if self._types[tid] == TokenType.CONTROL and any(lo <= a < hi for lo, hi in spans)]
+    if parse_special or not forged:
+      return self._wrap(list(enc.ids), add_bos, False)
+    # Split at the template's control tokens only (as the tokenizer itself splits at added tokens)
+    # and encode the text between them with control strings as plain text.
+    template_cuts = [(a, b) for tid, (a, b) in zip(enc.ids, enc.offsets)
+                     if self._types[tid] == TokenType.CONTROL and (a, b) not in forged]
+    ids, pos = [], 0
+    for a, b in template_cuts:
+      ids += self.encode(text[pos:a], add_bos=False, add_eos=False, parse_special=False) if a > pos else []
+      ids.append(self._text_to_id[text[a:b]])
+      pos = b
+    if pos < len(text):
+      ids += self.encode(text[pos:], add_bos=False, add_eos=False, parse_special=False)
+    return self._wrap(ids, add_bos, False)
+
+  def _render_with_spans(self, messages: Sequence[Mapping[str, Any]],
+                         add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered chat, [start, end) character spans of the message contents in it)."""
+    contents = [_content_text(m) for m in messages]
+    marked = self.apply_chat_template(
+        [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], add_generation_prompt)
+    parts, spans, pos = [], [], 0
+    for piece in re.split(r"(\ue000\d+\ue001)", marked):
+      if piece.startswith("\ue000") and piece.endswith("\ue001"):
+        i = int(piece[1:-1])
+        piece = self.chat_template.rendered_content(str(messages[i]["role"]), contents[i])
+        spans.append((pos, pos + len(piece)))
+      parts.append(piece)
+      pos += len(piece)
+    return "".join(parts), spans          # = apply_chat_template(messages) (tests check it)
 
   def __repr__(self) -> str:
     return (f"Tokenizer(model={self._model_type!r}, pre={self._pre!r}, vocab_size={self._vocab_size}, "

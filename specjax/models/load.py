@@ -20,6 +20,7 @@ class LoadedModel:
   params: Any
   tokenizer: Any = None
   source: str = ""
+  context_length: int | None = None   # trained positions (max_position_embeddings); None = unknown
 
 
 def resolve_path(name_or_path: str) -> Path:
@@ -59,4 +60,12 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
     cfg = from_hf_config(hf)
     params = params_from_hf(cfg, tensors, dtype=dtype)
   return LoadedModel(name=Path(name_or_path).stem if not path.is_dir() else path.name,
-                     cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))
+                     cfg=cfg, params=params, tokenizer=tokenizer, source=str(path),
+                     context_length=_positive_int(hf.get("max_position_embeddings")))
+
+
+def _positive_int(x) -> int | None:
+  try:
+    return int(x) if x is not None and int(x) > 0 else None
+  except (TypeError, ValueError):
+    return None
