@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 
 from specjax import adaptive as adapt
 from specjax.adaptive_replay import ReplayState, replay_segment
-from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult
+from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult, check_drafter
 from specjax.decode import decode_step_counted, prefill_jit
 from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
 from specjax.models.decoder import DecoderTarget
@@ -104,7 +103,7 @@ def _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollb
                      target_len=state.cache.lengths, n_max=jnp.where(state.done, 0, dp["n_max"]), p_min=dp["p_min"],
                      temperature=sampling.temperature)
   draft, dstate = drafter.propose(dparams, dstate, ctx)
-  if getattr(drafter, "proposes_tree", False):   # static: tree drafters return a TreeDraft
+  if drafter.proposes_tree:   # static: tree drafters return a TreeDraft
     state, n_acc, nxt, n_nodes, reach, verified, tapped, live, n_out = verify_tree_and_accept(
         params, cfg, state, draft, dp, sampling, stop_ids, max_new, max_depth_of(drafter), taps=drafter.taps)
     stats = stats.update(reach, n_acc, live, n_out, n_verified=n_nodes)
@@ -131,7 +130,7 @@ def _spec_prefill(params, dparams, tokens, prompt_lens, sampling, stop_ids, max_
 def _spec_loop(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback="per_step"):
   """Every round of every sequence in one while_loop; shapes depend on capacity and history
   length only, so one compilation serves every prompt width."""
-  width = max_depth_of(drafter) if getattr(drafter, "proposes_tree", False) else drafter.max_draft
+  width = max_depth_of(drafter) if drafter.proposes_tree else drafter.max_draft
   stats = RoundStats.zeros(state.last.shape[0], width)   # acceptance by position (trees: by depth)
   body = functools.partial(_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback)
   return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), body, (state, dstate, stats))
@@ -181,7 +180,7 @@ def _plain_round(params, cfg, sampling, stop_ids, max_new, carry):
 def _rounds_at(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback, width, rounds, carry):
   """Up to `rounds` (traced) rounds at one static verification width: a while_loop. Width 0 of a
   commit-free drafter is plain decoding steps."""
-  if width == 0 and getattr(drafter, "commit_free", False):
+  if width == 0 and drafter.commit_free:
     body = functools.partial(_plain_round, params, cfg, sampling, stop_ids, max_new)
   else:
     body = functools.partial(_adaptive_round, params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new,
@@ -230,7 +229,7 @@ def _adaptive_run(params, dparams, state, dstate, sampling, dp, stop_ids, max_ne
   widths = ac.widths_for(k)
   if keep is not None:
     widths = tuple(widths[i] for i in keep)
-  replayable = bool(getattr(drafter, "replayable", False))
+  replayable = drafter.replayable
   window = ac.segment_rounds * (k + 1) + k + 1
   ctl = _Control(replay=ReplayState.init(state.hist_len, len(widths)), acceptance=adapt.AdaptiveState.init(b, ac),
                  segment=jnp.int32(0), total=jnp.int32(0),
@@ -324,7 +323,7 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
   `warm` (a benchmark's untimed warm-up passes it) compiles the program, so a later timed run never
   compiles. Returns the state, the drafter state, the round stats and a record of the run (costs,
   widths, [width, rounds] per segment, replayed tokens per round by width)."""
-  if getattr(drafter, "proposes_tree", False):
+  if drafter.proposes_tree:
     raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
   widths = ac.widths_for(drafter.max_draft)
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt.TIMED
@@ -357,7 +356,7 @@ def _adaptive_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, 
       segments.append([int(kept[wi]), int(r)])
   return state, dstate, stats, {**record, "segments": segments, "n_segments": int(n_seg),
                                 "replayed_tau": ([round(float(t), 4) for t in tau]
-                                                 if getattr(drafter, "replayable", False) else None)}
+                                                 if drafter.replayable else None)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rollback"), donate_argnames=("state",))
@@ -395,6 +394,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   """Speculative generation of a ragged batch of token prompts with one drafter. `rollback`
   ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection.
   `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.adaptive`)."""
+  check_drafter(drafter)
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
   sampling = sampling or SamplingParams.make(b)
@@ -424,8 +424,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     else:
       state, dstate, stats = _spec_loop(params, dparams, state, dstate, sampling, dp, stop, max_new, cfg=cfg,
                                         drafter=drafter, rollback=rollback)
-    if hasattr(drafter, "end_device"):
-      drafter.end_device(dstate)     # drafters with cross-request memory by design (ngram_mod's table)
+    drafter.end_device(dstate)       # drafters with cross-request memory by design keep it (ngram_mod's table)
     jax.block_until_ready(state.hist_len)
     seconds, draft_seconds = time.perf_counter() - t0, 0.0
   else:
@@ -460,7 +459,6 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
   n_max = np.asarray(dp["n_max"])
   drafter.begin([list(p) for p in prompts])
   draft_seconds = 0.0
-  takes_verified = "verified" in inspect.signature(drafter.accept).parameters
   while not done.all():
     t0 = time.perf_counter()
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done)
@@ -478,13 +476,9 @@ def _host_loop(params, cfg, drafter, prompts, tokens, lens, sampling, dp, stop, 
     if control is not None:
       control.observe(dlen, n_acc, live)
     t0 = time.perf_counter()
-    if takes_verified:
-      drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified
-    else:
-      drafter.accept(n_acc)
+    drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified
     for i in range(b):
       histories[i].extend(new_tokens[i, : n_new[i]].tolist())
     draft_seconds += time.perf_counter() - t0
-  if hasattr(drafter, "end"):
-    drafter.end(histories)      # e.g. the suffix drafter's global tree learns the final tokens
+  drafter.end(histories)        # e.g. the suffix drafter's global tree learns the final tokens
   return state, stats, draft_seconds, None if control is None else control.record()

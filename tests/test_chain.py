@@ -4,11 +4,13 @@ with scripted drafters, then greedy losslessness and isolation through the engin
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
 
 from specjax.decode import generate_plain
+from specjax.drafters.base import DeviceDrafter, HostDrafter
 from specjax.drafters.chain import Chain
 from specjax.drafters.ngram import NgramCache, NgramMapK, NgramMapK4V, NgramMod, NgramSimple
 from specjax.drafters.suffix import SuffixDecoding
@@ -17,10 +19,8 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import init_params
 
 
-class Scripted:
+class Scripted(HostDrafter):
   """Proposes fixed drafts (one list per sequence) and records what it is told."""
-
-  on_device = False
 
   def __init__(self, name, drafts, score=None, max_draft=4):
     self.name, self.drafts, self.score, self.max_draft = name, drafts, score, max_draft
@@ -41,15 +41,10 @@ class Scripted:
     self.accepted.append((np.asarray(n_accepted).tolist(), None if verified is None else np.asarray(verified).tolist()))
 
 
-class OldStyle(Scripted):
-  def accept(self, n_accepted):
-    self.accepted.append((np.asarray(n_accepted).tolist(), None))
-
-
 def test_first_policy_and_accept_forwarding():
   a = Scripted("a", [[], [1, 2], []])
   b = Scripted("b", [[5], [6, 7, 8], []], max_draft=3)
-  c = OldStyle("c", [[9], [9], [9]])
+  c = Scripted("c", [[9], [9], [9]])
   chain = Chain([a, b, c], policy="first")
   assert chain.max_draft == 4 and chain.name == "chain_first(a,b,c)"
   chain.begin([[0], [0], [0]])
@@ -61,7 +56,7 @@ def test_first_policy_and_accept_forwarding():
   chain.accept(np.array([1, 2, 0]))
   assert a.accepted == [([0, 2, 0], [False, True, False])]
   assert b.accepted == [([1, 0, 0], [True, False, False])]
-  assert c.accepted == [([0, 0, 0], None)]                    # no `verified` keyword: zeros for the others
+  assert c.accepted == [([0, 0, 0], [False, False, True])]    # its draft for sequence 2 was verified, 0 kept
 
 
 def test_best_policy_uses_scores_then_statistics():
@@ -105,10 +100,13 @@ def test_chain_errors():
     Chain([])
   with pytest.raises(ValueError):
     Chain([Scripted("a", [[1]])], policy="longest")
-  dev = Scripted("dev", [[1]])
-  dev.on_device = True
-  with pytest.raises(ValueError):
-    Chain([dev])
+  class OnDevice(DeviceDrafter):
+    name, max_draft = "dev", 1
+  with pytest.raises(ValueError, match="host drafters only"):
+    Chain([OnDevice()])
+  duck = types.SimpleNamespace(name="duck", max_draft=1, on_device=False)     # not a HostDrafter
+  with pytest.raises(ValueError, match="host drafters only"):
+    Chain([duck])
 
 
 # ------------------------------------------------------------------------------------------------

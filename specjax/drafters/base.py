@@ -6,13 +6,14 @@ Two kinds:
 - `HostDrafter`: Python objects over token lists (n-gram maps, suffix trees); the engine runs a
   host loop around one jitted verify-and-accept step.
 
-Both produce a `Draft`; verification is the same code for both.
+Both produce a `Draft` (tree drafters a `TreeDraft`); verification is the same code for both.
+Capabilities are declared as class attributes of `Drafter` and read by the engine as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -54,27 +55,83 @@ class RoundResult:
   live: jax.Array                   # [B] bool: sequence was live this round
 
 
-class DeviceDrafter(Protocol):
-  name: str
-  on_device: bool                   # True
-  max_draft: int                    # static K: draft arrays are [B, K]
-  taps: tuple[int, ...]             # target layers whose hidden states it needs
+class Drafter:
+  """What every drafter declares (class attributes) instead of the engine probing for methods.
 
-  def params(self) -> Any: ...
-  def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity: int) -> Any: ...
-  def propose(self, dparams, dstate, ctx: DraftContext) -> tuple[Draft, Any]: ...
-  def commit(self, dparams, dstate, result: RoundResult) -> Any: ...
+  on_device: a `DeviceDrafter` (runs inside the jitted loop) or a `HostDrafter` (Python, between
+    jitted verification steps).
+  proposes_tree: `propose` returns a `specjax.tree.TreeDraft` (verified in one pass with an ancestor
+    mask) instead of a chain `Draft`.
+  commit_free: `commit` changes nothing, so adaptive drafting may run rounds without the drafter.
+  replayable: `propose_at(history, at)` drafts from the history alone, so adaptive drafting can
+    replay what each width would have accepted.
+  cross_request_memory: state outlives a request by design (a shared table, a global suffix tree);
+    the bench harness snapshots it so repeats measure the same drafter.
+  """
+  name: ClassVar[str] = "drafter"
+  on_device: ClassVar[bool] = False
+  proposes_tree: ClassVar[bool] = False
+  commit_free: ClassVar[bool] = False
+  replayable: ClassVar[bool] = False
+  cross_request_memory: ClassVar[bool] = False
+  max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget)
 
 
-class HostDrafter(Protocol):
-  name: str
-  on_device: bool                   # False
-  max_draft: int
+class DeviceDrafter(Drafter):
+  """Pure functions over a pytree drafter state, traced into the engine's loop; the drafter object
+  itself is static (hashable) configuration."""
+  on_device: ClassVar[bool] = True
+  taps: tuple[int, ...] = ()        # target layers whose hidden states it reads
 
-  def begin(self, prompts: list[list[int]]) -> None: ...
+  def params(self) -> Any:
+    """The arrays it drafts with (a pytree passed into the jitted loop)."""
+    raise NotImplementedError
+
+  def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity: int) -> Any:
+    """The drafter state after the target's prefill."""
+    raise NotImplementedError
+
+  def propose(self, dparams, dstate, ctx: DraftContext) -> tuple[Draft, Any]:
+    raise NotImplementedError
+
+  def commit(self, dparams, dstate, result: RoundResult) -> Any:
+    """The state after verification (`result` says what was accepted)."""
+    raise NotImplementedError
+
+  def propose_at(self, history, at):
+    """Replayable drafters: the draft after `history[:at]`, from the history alone."""
+    raise NotImplementedError(f"{self.name} is not replayable")
+
+  def end_device(self, dstate) -> None:
+    """After a request: keep what outlives it (drafters with cross-request memory). No-op here."""
+
+
+class HostDrafter(Drafter):
+  """A Python object over token lists, called once per round by the engine's host loop."""
+  on_device: ClassVar[bool] = False
+
+  def begin(self, prompts: list[list[int]]) -> None:
+    raise NotImplementedError
+
   def propose(self, histories: list[list[int]], n_max: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """-> (tokens [B, K] int32, lengths [B], score [B] or None)."""
-  def accept(self, n_accepted: np.ndarray) -> None: ...
+    """-> (tokens [B, K] int32, lengths [B], score [B] expected accepted tokens, or None)."""
+    raise NotImplementedError
+
+  def accept(self, n_accepted: np.ndarray, verified: np.ndarray | None = None) -> None:
+    """Accepted draft tokens per sequence; `verified` [B] bool says whose draft was verified at all
+    (False: cut by n_min, or another chain member's draft won). None = all."""
+    raise NotImplementedError
+
+  def end(self, histories: list[list[int]]) -> None:
+    """After a request, with the final token histories. No-op here."""
+
+
+def check_drafter(drafter) -> Drafter:
+  """`drafter` if it is a DeviceDrafter or a HostDrafter, else a UserError that says so."""
+  if not isinstance(drafter, (DeviceDrafter, HostDrafter)):
+    raise UserError(f"a drafter must subclass specjax.drafters.base.DeviceDrafter or HostDrafter; "
+                    f"got {type(drafter).__name__}")
+  return drafter
 
 
 @dataclasses.dataclass(frozen=True)

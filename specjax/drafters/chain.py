@@ -19,22 +19,22 @@ verified draft it made; it and the acceptance statistics cover the requests sinc
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import numpy as np
 
+from specjax.drafters.base import HostDrafter
+from specjax.errors import UserError
+
 POLICIES = ("best", "first")
 
 
-class Chain:
+class Chain(HostDrafter):
   """Host chain over host drafters (HostDrafter protocol); `max_draft` is the largest of theirs."""
-
-  on_device = False
 
   @property
   def cross_request_memory(self) -> bool:
-    return any(getattr(d, "cross_request_memory", False) for d in self.drafters)
+    return any(d.cross_request_memory for d in self.drafters)
 
   def __init__(self, drafters: Sequence, policy: str = "best", prior: float = 0.5, prior_weight: float = 2.0):
     if not drafters:
@@ -42,8 +42,8 @@ class Chain:
     if policy not in POLICIES:
       raise ValueError(f"unknown chain policy {policy!r}; use one of {POLICIES}")
     for d in drafters:
-      if getattr(d, "on_device", False):
-        raise ValueError(f"Chain takes host drafters only; {getattr(d, 'name', d)!r} runs on the device")
+      if not isinstance(d, HostDrafter):
+        raise UserError(f"Chain takes host drafters only; {getattr(d, 'name', d)!r} is not a HostDrafter")
     if not 0.0 <= prior <= 1.0 or prior_weight <= 0:
       raise ValueError(f"need prior in [0, 1] and prior_weight > 0, got {prior}, {prior_weight}")
     self.drafters = tuple(drafters)
@@ -52,7 +52,6 @@ class Chain:
     self.names = self._unique_names([d.name for d in self.drafters])
     self.name = f"chain_{policy}({','.join(self.names)})"
     self.max_draft = max(int(d.max_draft) for d in self.drafters)
-    self._takes_verified = [_has_keyword(d.accept, "verified") for d in self.drafters]
     self._reset_stats()
     self._winner = np.zeros((0,), np.int32)        # [B] drafter index of each sequence's draft, -1 none
     self._lengths = np.zeros((0,), np.int32)       # [B] length of the winning draft
@@ -118,28 +117,17 @@ class Chain:
 
   def end(self, histories: list[list[int]]) -> None:
     for d in self.drafters:
-      if hasattr(d, "end"):
-        d.end(histories)
+      d.end(histories)
 
   def accept(self, n_accepted, verified=None) -> None:
     n_acc = np.asarray(n_accepted, np.int64).reshape(-1)
     ver = np.ones(n_acc.shape, bool) if verified is None else np.asarray(verified, bool).reshape(-1)
     for k, d in enumerate(self.drafters):
       mine = (self._winner == k) & ver
-      if self._takes_verified[k]:
-        d.accept(np.where(mine, n_acc, 0), verified=mine)
-      else:
-        d.accept(np.where(mine, n_acc, 0))
+      d.accept(np.where(mine, n_acc, 0), verified=mine)
       for i in np.flatnonzero(mine):                   # per-position statistics of the winner
         ln, acc = int(self._lengths[i]), int(min(n_acc[i], self._lengths[i]))
         self.tested[k][:min(acc + 1, ln)] += 1
         self.accepted[k][:acc] += 1
     self._winner = np.full_like(self._winner, -1)
 
-
-def _has_keyword(fn, name: str) -> bool:
-  try:
-    params = inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return False
-  return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, load_tensors, save_tensors, tensors_from
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.errors import UserError
@@ -177,7 +177,7 @@ class DFlashState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashDrafter(DeviceDrafter):
   """Device drafter over a DFlash model. `weights` = {"dflash": drafter params, "target": the
   target's params}; hashable by static config only."""
   cfg: ModelConfig                # the target's config
@@ -186,7 +186,6 @@ class DFlashDrafter:
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   seed: int = 0                   # of the drafter's own sampling keys
   name: str = "dflash"
-  on_device: bool = True
 
   def __post_init__(self):
     if not 1 <= self.max_draft <= self.dc.block_size - 1:

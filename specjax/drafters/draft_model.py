@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
@@ -60,7 +60,7 @@ class DraftModelState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelDrafter:
+class DraftModelDrafter(DeviceDrafter):
   """Device drafter backed by a smaller model. Hashable by its static configuration."""
   cfg: ModelConfig
   max_draft: int = 8
@@ -68,7 +68,6 @@ class DraftModelDrafter:
   unroll: bool = True          # draft steps unrolled (no per-step loop condition read by the host);
                                # False: a while_loop that stops once every sequence fell below p_min
   name: str = "draft"
-  on_device: bool = True
   taps: tuple[int, ...] = ()
 
   def params(self):

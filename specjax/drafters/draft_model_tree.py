@@ -18,12 +18,12 @@ positions with the ancestor mask, written past the committed length and never co
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, DraftContext, RoundResult
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
 from specjax.state import KVCache
@@ -45,7 +45,7 @@ def level_sizes(top_k: int, width: int, depth: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelTreeDrafter:
+class DraftModelTreeDrafter(DeviceDrafter):
   """Device tree drafter backed by a smaller model. Hashable by its static configuration."""
   cfg: ModelConfig
   depth: int = 3
@@ -53,8 +53,7 @@ class DraftModelTreeDrafter:
   width: int = 2
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   name: str = "draft_tree"
-  on_device: bool = True
-  proposes_tree: bool = True
+  proposes_tree: ClassVar[bool] = True
   taps: tuple[int, ...] = ()
 
   def __post_init__(self):

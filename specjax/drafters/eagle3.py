@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
@@ -242,7 +242,7 @@ def _weights(dparams):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(DeviceDrafter):
   """Chain drafter over an EAGLE-3 head. `weights` = {"head": head params, "d2t": [Vd] int32,
   "target": the target's params (embedding)}; hashable by static config only."""
   hc: Eagle3Config
@@ -250,7 +250,6 @@ class Eagle3Drafter:
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   seed: int = 0                   # seeds the draft sampler (independent of the target's sampler)
   name: str = "eagle3"
-  on_device: bool = True
 
   @property
   def taps(self) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.models.hybrid import hybrid_forward
 from specjax.recurrent_state import HybridState, pick_step
 
@@ -30,7 +30,7 @@ class HybridDraftState:
 
 
 @dataclasses.dataclass(frozen=True)
-class HybridDraftModelDrafter:
+class HybridDraftModelDrafter(DeviceDrafter):
   """Device drafter backed by a (smaller) hybrid model with the target's vocabulary.
 
   Same contract as `DraftModelDrafter`: before `propose` the draft state holds every committed
@@ -41,7 +41,6 @@ class HybridDraftModelDrafter:
   max_draft: int = 8
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   name: str = "draft"
-  on_device: bool = True
   taps: tuple[int, ...] = ()
 
   def params(self):

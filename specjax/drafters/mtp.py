@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
@@ -148,7 +148,7 @@ class MTPState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter:
+class MTPDrafter(DeviceDrafter):
   """Device drafter over MTP heads. `weights` = {"heads": tuple of head params, "target": the
   target's params (embedding, final norm, LM head are shared)}; hashable by static config only."""
   cfg: ModelConfig                # the target's config
@@ -158,7 +158,6 @@ class MTPDrafter:
   unroll: bool = True             # draft steps unrolled (no loop condition read per step on a GPU);
                                   # False: a while_loop that stops once every sequence fell below p_min
   name: str = "mtp"
-  on_device: bool = True
   taps: tuple[int, ...] = ()
 
   def params(self):

@@ -40,6 +40,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from specjax.drafters.base import HostDrafter
+
 EMPTY = -1                               # empty NgramMod table entry / padding of a cache key
 
 
@@ -97,7 +99,7 @@ def _pack(drafts: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray]:
   return tokens, lengths
 
 
-class _PerSequenceDrafter:
+class _PerSequenceDrafter(HostDrafter):
   """Host-drafter skeleton: one state per sequence, made in `begin`, driven per sequence.
 
   Subclasses set `name`, `max_draft` and implement `_new_state(prompt)`,
@@ -106,8 +108,6 @@ class _PerSequenceDrafter:
   changed afterwards; per-request state lives in `_states`.
   """
 
-  name: str = ""
-  on_device: bool = False
   max_draft: int = 0
 
   def __init__(self):

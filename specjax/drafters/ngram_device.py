@@ -16,7 +16,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 
 
 def ngram_lookup(history: jax.Array, hist_len: jax.Array, size_n: int, size_m: int, budget: jax.Array,
@@ -42,13 +42,12 @@ def ngram_lookup(history: jax.Array, hist_len: jax.Array, size_n: int, size_m: i
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramSimpleDevice:
+class NgramSimpleDevice(DeviceDrafter):
   """Device drafter: stateless prompt lookup over the engine's history buffer."""
   size_n: int = 12
   size_m: int = 48
   width: int | None = None          # verify width K (default size_m); set to n_max to verify less
   name: str = "ngram_simple"
-  on_device: bool = True
   taps: tuple[int, ...] = ()
   commit_free: typing.ClassVar[bool] = True   # commit changes nothing: adaptive width-0 rounds may skip the drafter
   replayable: typing.ClassVar[bool] = True    # point-mass drafts from the history alone (`propose_at`)

@@ -16,12 +16,13 @@ and the next request starts from it (`params()` hands it to the jitted loop).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Draft, DraftContext, RoundResult
+from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.ngram import EMPTY, ngram_mod_hash
 
 
@@ -62,7 +63,7 @@ def _add_ngrams(table, n_overwritten, history, start, stop, n):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class NgramModDevice:
+class NgramModDevice(DeviceDrafter):
   """Device drafter with llama.cpp's ngram_mod defaults (n_match 24, n_min 48, n_max 64, 4M entries).
 
   Compared by identity (it carries the shared table between requests)."""
@@ -76,8 +77,7 @@ class NgramModDevice:
   reset_occupancy: float = 0.25
   width: int | None = None                       # verify width K (default n_max)
   name: str = "ngram_mod"
-  on_device: bool = True
-  cross_request_memory: bool = True
+  cross_request_memory: ClassVar[bool] = True
   taps: tuple[int, ...] = ()
   _shared: dict = dataclasses.field(default_factory=dict, repr=False)
 

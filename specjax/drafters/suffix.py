@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specjax.drafters.base import HostDrafter
 from specjax.drafters.ngram import gc_paused
 
 _DIRTY = object()      # `best` sentinel: recompute from the children
@@ -259,13 +260,12 @@ class _SeqState:
     self.flushed = False
 
 
-class SuffixDecoding:
+class SuffixDecoding(HostDrafter):
   """SuffixDecoding as a host drafter (ArcticInference defaults: max_depth 64, factor 1.0,
   offset 0.0, min_token_prob 0.1, up to 100000 cached requests; max_spec_tokens = max_depth)."""
 
   name = "suffix"
   cross_request_memory = True     # the global tree over earlier requests
-  on_device = False
 
   def __init__(self, max_depth: int = 64, max_spec_tokens: int | None = None, max_spec_factor: float = 1.0,
                max_spec_offset: float = 0.0, min_token_prob: float = 0.1, max_cached_requests: int = 100000):
