@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from specjax import request
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftParams
-from specjax.drafters.registry import make_speculator
+from specjax.drafters.registry import check_speculator, make_speculator
 from specjax.engine import speculative_generate
 from specjax.errors import UserError
 from specjax.models.load import LoadedModel, load_model
@@ -69,7 +69,7 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
              max_new_tokens: int = 128, chat: bool = True, stop_at_eos: bool = True,
              draft_model: LoadedModel | str | None = None, head: Any = None,
              capacity: int | None = None, rollback: str = "per_step", adaptive: bool = False,
-             parse_special: bool = False) -> Output:
+             parse_special: bool = False, options: dict | None = None) -> Output:
   """Generate for a batch of prompts (text or token lists), with or without speculation.
 
   rollback: how a hybrid (recurrent) target's state goes back after a rejected draft: "per_step"
@@ -78,6 +78,8 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   adaptive: per-sequence draft lengths from running acceptance and a verification width chosen by
   measured cost (`specjax.adaptive`); n_max is then the upper bound.
   parse_special: with `chat`, parse control-token strings inside the prompts (default: text).
+  options: the speculator's options (`specjax speculators` lists them), e.g. {"size_n": 3}; for a
+  chain, per member: {"ngram_simple": {...}, "suffix": {...}}.
 
   Every argument is checked before anything compiles; a bad one raises `UserError` naming it."""
   prompts = request.prompt_list(prompts)
@@ -95,8 +97,10 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
     request.check_draft_params(draft_params, b)  # raises: names the type
   elif isinstance(draft_params, DraftParams):
     request.check_draft_params(dataclasses.asdict(draft_params), b)
-  if speculator is None and (draft_model is not None or head is not None or adaptive):
-    raise UserError("draft_model, head and adaptive apply to speculative generation: give a speculator")
+  if speculator is None and (draft_model is not None or head is not None or adaptive or options):
+    raise UserError("draft_model, head, options and adaptive apply to speculative generation: give a speculator")
+  if isinstance(speculator, str):
+    check_speculator(speculator, options, head=head, draft_model=draft_model)
   tokens = encode_prompts(target, prompts, chat, parse_special)
   request.check_tokens(tokens, target.cfg.vocab_size)
   request.check_context(tokens, max_new_tokens, getattr(target, "context_length", None))
@@ -106,7 +110,8 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
                        stop_ids=stop_ids, capacity=capacity)
     stats, seconds, out_tokens = None, r.seconds, r.tokens
   else:
-    drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head)
+    drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head,
+                              options=options)
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
                              sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity,

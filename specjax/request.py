@@ -113,11 +113,11 @@ def check_speculator(speculator: Any) -> None:
   if speculator is None:
     return
   if isinstance(speculator, str):
-    from specjax.drafters.registry import ALL
+    from specjax.drafters.speculator_spec import names as known
     names = [s.strip() for s in speculator.split(",")]
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in known()]
     if unknown or not any(names):
-      raise UserError(f"unknown speculator {', '.join(unknown) or repr(speculator)}; known: {', '.join(ALL)}")
+      raise UserError(f"unknown speculator {', '.join(unknown) or repr(speculator)}; known: {', '.join(known())}")
     return
   if not hasattr(speculator, "on_device") or not hasattr(speculator, "max_draft"):
     raise UserError(f"speculator must be None, a speculator name (e.g. 'ngram_simple') or a drafter object, "

@@ -113,12 +113,21 @@ def _build(cls, data: Any, where: str):
 
 
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
-  from specjax.drafters.registry import ALL
+  from specjax.drafters.registry import check_speculator
+  from specjax.drafters.speculator_spec import names as known
+  from specjax.errors import UserError
   for i, m in enumerate(cfg.methods):
     names = [s.strip() for s in m.speculator.split(",")]
-    bad = [n for n in names if n not in ALL]
+    bad = [n for n in names if n not in known()]
     if bad:
-      raise ConfigError(f"methods[{i}].speculator: unknown speculator(s) {bad}; known: {list(ALL)}")
+      raise ConfigError(f"methods[{i}].speculator: unknown speculator(s) {bad}; known: {list(known())}")
+    # options against the speculators' schemas, chains, the kind of an existing head file: before any
+    # model is loaded (a head a training stage will write is checked when the method is built)
+    head = m.head if m.head and Path(m.head).exists() else None
+    try:
+      check_speculator(m.speculator, m.options, head=head, draft_model=m.draft_model)
+    except UserError as e:
+      raise ConfigError(f"methods[{i}] ({m.name}): {e}") from None
     if m.policy not in ("best", "first"):
       raise ConfigError(f"methods[{i}].policy: must be 'best' or 'first', got {m.policy!r}")
     if "draft" in names and not m.draft_model:

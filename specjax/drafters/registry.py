@@ -1,66 +1,230 @@
-"""Speculators by name, as llama.cpp's `--spec-type` names them; a comma-separated list is a chain."""
+"""The built-in speculators, as llama.cpp's `--spec-type` names them, each a `SpeculatorSpec`
+(`specjax.drafters.speculator_spec`) with its typed options; `make_speculator` builds a drafter from
+a name or a comma-separated chain of host speculators. User code adds its own with
+`specjax.register_speculator`."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from specjax.drafters.speculator_spec import Option, SpeculatorSpec, get, names, register_speculator
 from specjax.errors import UserError
 
-HOST_SPECULATORS = {
-    "ngram_simple": ("specjax.drafters.ngram", "NgramSimple"),
-    "ngram_map_k": ("specjax.drafters.ngram", "NgramMapK"),
-    "ngram_map_k4v": ("specjax.drafters.ngram", "NgramMapK4V"),
-    "ngram_mod": ("specjax.drafters.ngram", "NgramMod"),
-    "ngram_cache": ("specjax.drafters.ngram", "NgramCache"),
-    "suffix": ("specjax.drafters.suffix", "SuffixDecoding"),
-}
-MODEL_SPECULATORS = ("draft", "mtp", "draft_tree")
-MODEL_SPECULATORS += ("eagle3", "eagle3_tree")      # EAGLE-3 heads (--head PATH): chain / EAGLE-2 tree
-MODEL_SPECULATORS += ("dflash",)                    # DFlash block drafter (--head PATH; options block_size, window)
-MODEL_SPECULATORS += ("dflash_tree",)               # DFlash pass -> best-first token tree (--head PATH; node budget
-                                                    # n_max; options depth, top_k, block_size, window)
-ALL = MODEL_SPECULATORS + tuple(HOST_SPECULATORS)
 # heads trained for a target and committed under assets/ (a source checkout has them): named in the
 # error when a head speculator is asked for without --head
 COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "mtp_smollm2_gpu2/mtp_head.safetensors",
                                              "eagle3": "eagle3_smollm2_gpu3/eagle3_head.safetensors",
                                              "dflash": "dflash_smollm2_gpu4/dflash.safetensors"}}
+_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
-# head speculators: (file stem of a head directory, the `format` its JSON config carries)
-HEAD_FILES = {"mtp": ("mtp_head", "specjax-mtp-v1"), "eagle3": ("eagle3_head", "specjax-eagle3-v1"),
-              "eagle3_tree": ("eagle3_head", "specjax-eagle3-v1"), "dflash": ("dflash", "specjax-dflash-v1"),
-              "dflash_tree": ("dflash", "specjax-dflash-v1")}
+def _width(draft_params) -> int | None:
+  return int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
+
+
+def _needs_head(spec: SpeculatorSpec, target) -> UserError:
+  """The error for a head speculator without a head, naming a committed head for this target when
+  the checkout has one."""
+  model, hint = str(getattr(target, "name", "") or "").lower(), ""
+  for key, rel in spec.committed_heads.items():
+    if model.startswith(key) and (_ASSETS / rel).is_file():
+      hint = f"; for {key} a trained one is committed: --head {os.path.relpath(_ASSETS / rel)}"
+  from specjax.drafters.head_file import HEAD_KINDS
+  what = HEAD_KINDS[spec.head_format].split(" ", 1)[1]          # "an MTP head" -> "MTP head"
+  return UserError(f"speculator {spec.name!r} needs a trained {what} (--head PATH){hint}")
+
+
+# --- builders: (target, *, draft_model, draft_params, head, **options) -> Drafter ----------------
+
+def _host_builder(module: str, cls: str):
+  def build(target, *, draft_model=None, draft_params=None, head=None, **opts):
+    import importlib
+    return getattr(importlib.import_module(module), cls)(**opts)
+  return build
+
+
+def _ngram_simple(target, *, draft_model=None, draft_params=None, head=None, device=True, **opts):
+  if not device:
+    from specjax.drafters.ngram import NgramSimple
+    return NgramSimple(**opts)
+  from specjax.drafters.ngram_device import NgramSimpleDevice
+  return NgramSimpleDevice(**opts, width=_width(draft_params))
+
+
+def _ngram_mod(target, *, draft_model=None, draft_params=None, head=None, device=True, **opts):
+  if not device:
+    from specjax.drafters.ngram import NgramMod
+    return NgramMod(**opts)
+  from specjax.drafters.ngram_mod_device import NgramModDevice
+  return NgramModDevice(**opts, width=_width(draft_params))
+
+
+def _draft(target, *, draft_model=None, draft_params=None, head=None, **opts):
+  return make_draft_model_drafter(target, draft_model, draft_params, **opts)
+
+
+def _draft_tree(target, *, draft_model=None, draft_params=None, head=None, **opts):
+  return make_draft_tree_speculator(target, draft_model, **opts)
+
+
+def _mtp(target, *, draft_model=None, draft_params=None, head=None, **opts):
+  from specjax.drafters.mtp import make_mtp_drafter
+  return make_mtp_drafter(target, head, draft_params, **opts)
+
+
+def _eagle3(tree: bool):
+  def build(target, *, draft_model=None, draft_params=None, head=None, **opts):
+    from specjax.drafters.eagle3 import make_eagle3_drafter
+    return make_eagle3_drafter(target, head, draft_params, tree=tree, **opts)
+  return build
+
+
+def _dflash(target, *, draft_model=None, draft_params=None, head=None, **opts):
+  from specjax.drafters.dflash import make_dflash_drafter
+  return make_dflash_drafter(target, head, draft_params, **opts)
+
+
+def _dflash_tree(target, *, draft_model=None, draft_params=None, head=None, **opts):
+  from specjax.drafters.dflash_tree import make_dflash_tree_drafter
+  return make_dflash_tree_drafter(target, head, draft_params, **opts)
+
+
+# --- option schemas -------------------------------------------------------------------------------
+
+def _int(name, default, help, low=1, high=None, optional=False):
+  return Option(name, int, default, help, low=low, high=high, optional=optional)
+
+
+_SIZE_NM = (_int("size_n", 12, "n-gram length matched at the end of the history"),
+            _int("size_m", 48, "tokens drafted after a match (upper bound of the draft)"))
+_DEVICE = Option("device", bool, True, "run inside the jitted loop (false: the host implementation)")
+_SEED = _int("seed", 0, "drafter sampling seed", low=0)
+_TREE = (_int("depth", 6, "tree depth (levels drafted)"), _int("top_k", 8, "children expanded per node"))
+_DFLASH = (_int("block_size", None, "block drafted per pass (default: as trained)", low=2, optional=True),
+           _int("window", None, "target features kept (default: as trained)", optional=True), _SEED)
+
+for _spec in (
+    SpeculatorSpec("ngram_simple", _ngram_simple, "copy what followed the last n-gram's previous occurrence",
+                   where="device", chainable=True, options=_SIZE_NM + (_DEVICE,)),
+    SpeculatorSpec("ngram_map_k", _host_builder("specjax.drafters.ngram", "NgramMapK"),
+                   "n-gram -> continuation map with llama.cpp's key statistics", options=_SIZE_NM),
+    SpeculatorSpec("ngram_map_k4v", _host_builder("specjax.drafters.ngram", "NgramMapK4V"),
+                   "n-gram map keeping four values per key",
+                   options=_SIZE_NM + (_int("min_hits", 1, "hits before a value is drafted"),)),
+    SpeculatorSpec("ngram_mod", _ngram_mod, "one hashed n-gram table shared by every sequence and request",
+                   where="device", chainable=True, options=(
+                       _int("n_match", 24, "tokens hashed into a key"), _int("n_min", 48, "shortest draft"),
+                       _int("n_max", 64, "longest draft"), _int("table_size", 1 << 22, "table entries"),
+                       _int("add_chunk", 32, "tokens added to the table per chunk", low=0),
+                       Option("low_accept", float, 0.5, "acceptance below which a sequence backs off", 0, 1),
+                       _int("low_rounds", 3, "low-acceptance rounds before backing off"),
+                       Option("reset_occupancy", float, 0.25, "table occupancy that resets it", 0, 1), _DEVICE)),
+    SpeculatorSpec("ngram_cache", _host_builder("specjax.drafters.ngram", "NgramCache"),
+                   "lookup decoding over context, dynamic and static n-gram caches", options=(
+                       _int("n_draft", 8, "longest draft"),
+                       Option("static", str, None, "static cache file (llama.cpp format)", optional=True),
+                       Option("dynamic", str, None, "dynamic cache file (llama.cpp format)", optional=True),
+                       Option("update_dynamic", bool, False, "learn the dynamic cache across requests"))),
+    SpeculatorSpec("suffix", _host_builder("specjax.drafters.suffix", "SuffixDecoding"),
+                   "SuffixDecoding: suffix trees over this request and earlier ones", options=(
+                       _int("max_depth", 64, "longest suffix matched"),
+                       _int("max_spec_tokens", None, "longest draft (default max_depth)", optional=True),
+                       Option("max_spec_factor", float, 1.0, "draft length per matched token", 0),
+                       Option("max_spec_offset", float, 0.0, "draft length offset"),
+                       Option("min_token_prob", float, 0.1, "stop below this continuation frequency", 0, 1),
+                       _int("max_cached_requests", 100000, "earlier requests kept in the global tree", low=0))),
+    SpeculatorSpec("draft", _draft, "a smaller draft model (--draft-model) drafts a chain", where="device",
+                   needs_draft_model=True,
+                   options=(Option("unroll", bool, True, "unroll the draft loop in the program"),)),
+    SpeculatorSpec("draft_tree", _draft_tree, "a draft model drafts a token tree", where="device", tree=True,
+                   needs_draft_model=True, options=(_int("depth", 3, "tree depth"),
+                                                   _int("top_k", 2, "children per expanded node"),
+                                                   _int("width", 2, "nodes expanded per level"))),
+    SpeculatorSpec("mtp", _mtp, "trained multi-token-prediction heads on the target's last hidden state",
+                   where="device", head_format="specjax-mtp-v1", head_stem="mtp_head",
+                   options=(Option("unroll", bool, True, "unroll the heads in the program"),),
+                   committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["mtp"]}),
+    SpeculatorSpec("eagle3", _eagle3(False), "an EAGLE-3 head over fused target features drafts a chain",
+                   where="device", head_format="specjax-eagle3-v1", head_stem="eagle3_head", options=(_SEED,),
+                   committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
+    SpeculatorSpec("eagle3_tree", _eagle3(True), "an EAGLE-3 head drafts an EAGLE-2 tree (n_max nodes)",
+                   where="device", tree=True, head_format="specjax-eagle3-v1", head_stem="eagle3_head",
+                   options=_TREE + (_SEED,),
+                   committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
+    SpeculatorSpec("dflash", _dflash, "a DFlash block drafter drafts a whole block in one pass", where="device",
+                   head_format="specjax-dflash-v1", head_stem="dflash", options=_DFLASH,
+                   committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
+    SpeculatorSpec("dflash_tree", _dflash_tree, "one DFlash pass drafts a best-first tree (n_max nodes)",
+                   where="device", tree=True, head_format="specjax-dflash-v1", head_stem="dflash",
+                   options=(_int("depth", 8, "tree depth (<= block_size - 1)"),
+                            _int("top_k", 8, "children per expanded node")) + _DFLASH,
+                   committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
+):
+  register_speculator(_spec)
+
+# the built-in names (user-registered ones: `speculator_spec.names()`)
+ALL = ("draft", "mtp", "draft_tree", "eagle3", "eagle3_tree", "dflash", "dflash_tree", "ngram_simple",
+       "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix")
+MODEL_SPECULATORS = ALL[:7]
+HOST_SPECULATORS = ALL[7:]
+HEAD_FILES = {n: (get(n).head_stem, get(n).head_format) for n in ALL if get(n).head_format}
 
 
 def check_head(name: str, head) -> None:
   """The checks of a head file for speculator `name` that need no model (files present, the right
   kind of head, readable safetensors): a wrong or broken head is one UserError before any loading."""
-  from pathlib import Path
-
   from specjax.drafters.head_file import check_head_file
-  if name in HEAD_FILES and isinstance(head, (str, Path)):
-    stem, fmt = HEAD_FILES[name]
-    check_head_file(head, stem, fmt, config_optional=name == "mtp")
+  spec = get(name)
+  if spec.head_format and isinstance(head, (str, Path)):
+    check_head_file(head, spec.head_stem, spec.head_format, config_optional=name == "mtp")
 
 
-def _needs_head(name: str, what: str, target) -> ValueError:
-  """The error for a head speculator without a head, naming a committed head for this target when
-  the checkout has one."""
-  import os
-  from pathlib import Path
-  kind, model, hint = name.split("_")[0], str(getattr(target, "name", "") or "").lower(), ""
-  for key, heads in COMMITTED_HEADS.items():
-    path = Path(__file__).resolve().parents[2] / "assets" / heads.get(kind, "-")
-    if model.startswith(key) and path.is_file():
-      hint = f"; for {key} a trained one is committed: --head {os.path.relpath(path)}"
-  return UserError(f"speculator {name!r} needs a trained {what} (--head PATH){hint}")
+def split_options(names_: list[str], options: dict | None) -> dict[str, dict]:
+  """Options per speculator: `{name: {...}}` per chain member, or (one speculator) its own flat
+  `{option: value}`; every value checked against the member's schema."""
+  options = dict(options or {})
+  if not isinstance(options, dict):
+    raise UserError(f"options must be a mapping, got {type(options).__name__}")
+  keyed = {k: v for k, v in options.items() if k in names_}
+  flat = {k: v for k, v in options.items() if k not in names_}
+  if flat and len(names_) > 1:
+    raise UserError(f"options for a chain are per member: {{name: {{option: value}}}} with names in {names_}; "
+                    f"got {sorted(flat)}")
+  out = {}
+  for n in names_:
+    given = keyed.get(n, flat if len(names_) == 1 else {})
+    if not isinstance(given, dict):
+      raise UserError(f"options of {n} must be a mapping, got {given!r}")
+    out[n] = get(n).check_options(given)
+  return out
 
 
-def _host(name: str, options: dict[str, Any]):
-  import importlib
-  module, cls = HOST_SPECULATORS[name]
-  return getattr(importlib.import_module(module), cls)(**options)
+def check_speculator(spec: str, options: dict | None = None, *, head=None, draft_model=None) -> list[str]:
+  """Every check of a speculator request that needs no model: known names, chains of host
+  speculators only, options against their schemas, head kind and files, draft model given.
+  -> the member names."""
+  names_ = [s.strip() for s in spec.split(",") if s.strip()]
+  if not names_:
+    raise UserError(f"empty speculator name {spec!r}; known: {', '.join(names())}")
+  for n in names_:
+    get(n)
+  if len(names_) > 1:
+    fixed = [n for n in names_ if not get(n).chainable]
+    if fixed:
+      raise UserError(f"chains take host speculators (ngram_*, suffix, user host drafters); {fixed} cannot "
+                      "join one")
+  split_options(names_, options)
+  for n in names_:
+    s = get(n)
+    if s.head_format:
+      check_head(n, head)
+    if s.needs_draft_model and draft_model is None:
+      raise UserError(f"speculator {n!r} needs a draft_model (--draft-model NAME|PATH)")
+  return names_
 
 
 def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, options: dict | None = None,
@@ -68,58 +232,17 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
   """A drafter from a name ("ngram_simple"), a chain ("ngram_simple,suffix") or a drafter object."""
   if not isinstance(spec, str):
     return spec
-  names = [s.strip() for s in spec.split(",") if s.strip()]
-  unknown = [n for n in names if n not in ALL]
-  if unknown:
-    raise UserError(f"unknown speculator(s) {unknown}; known: {', '.join(ALL)}")
-  options = options or {}
-  if len(names) > 1:
-    if any(n in MODEL_SPECULATORS for n in names):
-      raise UserError("chains of the model drafter with host speculators are not supported yet; "
-                       "chain host speculators (ngram_*, suffix)")
+  names_ = check_speculator(spec, options, head=head, draft_model=draft_model)
+  per_name = split_options(names_, options)
+  if len(names_) > 1:
     from specjax.drafters.chain import Chain
-    return Chain([_host(n, options.get(n, {})) for n in names], policy=policy)
-  name = names[0]
-  check_head(name, head)
-  opts = options.get(name, options if not any(k in HOST_SPECULATORS for k in options) else {})
-  if name == "ngram_simple" and opts.get("device", True):
-    from specjax.drafters.ngram_device import NgramSimpleDevice
-    import numpy as np
-    width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
-    return NgramSimpleDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
-  if name == "ngram_mod" and opts.get("device", True):
-    from specjax.drafters.ngram_mod_device import NgramModDevice
-    import numpy as np
-    width = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
-    return NgramModDevice(**{k: v for k, v in opts.items() if k != "device"}, width=width)
-  if name == "draft":
-    return make_draft_model_drafter(target, draft_model, draft_params, **opts)
-  if name == "draft_tree":
-    return make_draft_tree_speculator(target, draft_model, **opts)
-  if name == "mtp":
-    from specjax.drafters.mtp import make_mtp_drafter
-    if head is None:
-      raise _needs_head(name, "MTP head", target)
-    return make_mtp_drafter(target, head, draft_params)
-  if name in ("eagle3", "eagle3_tree"):   # EAGLE-3 heads: chains, or EAGLE-2 trees (opts: depth, top_k, seed)
-    from specjax.drafters.eagle3 import make_eagle3_drafter
-    if head is None:
-      raise _needs_head(name, "EAGLE-3 head", target)
-    return make_eagle3_drafter(target, head, draft_params, tree=name == "eagle3_tree",
-                               **{k: v for k, v in opts.items() if k in ("depth", "top_k", "seed")})
-  if name == "dflash":   # DFlash: one pass drafts a block; n_max <= block_size - 1
-    from specjax.drafters.dflash import make_dflash_drafter
-    if head is None:
-      raise _needs_head(name, "DFlash drafter", target)
-    return make_dflash_drafter(target, head, draft_params,
-                               **{k: v for k, v in opts.items() if k in ("block_size", "window", "seed")})
-  if name == "dflash_tree":   # one DFlash pass drafts a tree: n_max nodes, depth <= block_size - 1
-    from specjax.drafters.dflash_tree import make_dflash_tree_drafter
-    if head is None:
-      raise _needs_head(name, "DFlash drafter", target)
-    return make_dflash_tree_drafter(target, head, draft_params, **{k: v for k, v in opts.items()
-                                                                   if k in ("depth", "top_k", "block_size", "window", "seed")})
-  return _host(name, {k: v for k, v in opts.items() if k != "device"})
+    members = [get(n).build(target, draft_params=draft_params, **{**per_name[n], **(
+        {"device": False} if "device" in get(n).option_names else {})}) for n in names_]
+    return Chain(members, policy=policy)
+  s = get(names_[0])
+  if s.head_format and head is None:
+    raise _needs_head(s, target)
+  return s.build(target, draft_model=draft_model, draft_params=draft_params, head=head, **per_name[names_[0]])
 
 
 def make_draft_model_drafter(target, draft_model, draft_params=None, **opts):

@@ -4,7 +4,6 @@ strategy, metric and budget), read from YAML with command-line overrides."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +11,25 @@ import numpy as np
 import yaml
 
 from specjax.bench.config import ConfigError, ExperimentConfig, MethodConfig, _build, config_from_dict, to_dict
-from specjax.drafters.registry import ALL, HOST_SPECULATORS
+from specjax.drafters import speculator_spec
 
 METRICS = ("tokens_per_s", "mean_tokens_per_s", "speedup")
 STRATEGIES = ("random", "halving")
 DEFAULT_METHOD = MethodConfig(name="default", speculator="ngram_simple")
-HEAD_SPECULATORS = ("mtp", "eagle3", "eagle3_tree", "dflash", "dflash_tree")   # need `head` choices (trained files)
-TREE_SPECULATORS = ("eagle3_tree", "draft_tree", "dflash_tree")  # set their own budget: no adaptive lengths
+
+
+def head_speculators() -> tuple[str, ...]:
+  """Registered speculators that need `head` choices (trained files)."""
+  return tuple(n for n, s in speculator_spec.registered().items() if s.head_format)
+
+
+def tree_speculators() -> tuple[str, ...]:
+  """Registered tree speculators: they set their own budget (no adaptive lengths)."""
+  return tuple(n for n, s in speculator_spec.registered().items() if s.tree)
+
+
+def chainable_speculators() -> tuple[str, ...]:
+  return tuple(n for n, s in speculator_spec.registered().items() if s.chainable)
 
 
 class TuneError(RuntimeError):
@@ -74,15 +85,8 @@ def _choices(value) -> list:
 
 
 def _option_names(name: str) -> set[str] | None:
-  """Constructor options of a host speculator (None: not checked here)."""
-  if name == "ngram_simple":
-    return {"size_n", "size_m", "device"}
-  if name in HOST_SPECULATORS:
-    import importlib
-    module, cls = HOST_SPECULATORS[name]
-    sig = inspect.signature(getattr(importlib.import_module(module), cls).__init__)
-    return {p for p in sig.parameters if p != "self"} | {"device"}
-  return None
+  """The options a speculator takes (its registry schema)."""
+  return set(speculator_spec.get(name).option_names)
 
 
 def _check_draft_params_space(space: Any, where: str) -> None:
@@ -134,8 +138,8 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
     raise ConfigError(f"{where}.speculators: the search space is empty")
   for name, space in t.speculators.items():
     sub = f"{where}.speculators.{name}"
-    if name not in ALL:
-      raise ConfigError(f"{sub}: unknown speculator; known: {list(ALL)}")
+    if name not in speculator_spec.names():
+      raise ConfigError(f"{sub}: unknown speculator; known: {list(speculator_spec.names())}")
     if space is None:
       continue
     if not isinstance(space, dict):
@@ -148,10 +152,10 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
         if name != "draft":
           raise ConfigError(f"{sub}.draft_model: only for speculator 'draft'")
       elif opt == "head":
-        if name not in HEAD_SPECULATORS:
-          raise ConfigError(f"{sub}.head: only for speculators {list(HEAD_SPECULATORS)}")
+        if name not in head_speculators():
+          raise ConfigError(f"{sub}.head: only for speculators {list(head_speculators())}")
       elif opt == "adaptive":
-        if name in TREE_SPECULATORS or any(not isinstance(v, bool) for v in _choices(vals)):
+        if name in tree_speculators() or any(not isinstance(v, bool) for v in _choices(vals)):
           raise ConfigError(f"{sub}.adaptive: true / false choices, for chain (non-tree) speculators")
       elif allowed is not None and opt not in allowed:
         raise ConfigError(f"{sub}: unknown option {opt!r}; allowed: {sorted(allowed)} and draft_params")
@@ -159,7 +163,7 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
         raise ConfigError(f"{sub}.{opt}: needs at least one choice")
   if "draft" in t.speculators and not (t.speculators["draft"] or {}).get("draft_model"):
     raise ConfigError(f"{where}.speculators.draft: needs draft_model choices")
-  for name in HEAD_SPECULATORS:
+  for name in head_speculators():
     if name in t.speculators and not (t.speculators[name] or {}).get("head"):
       raise ConfigError(f"{where}.speculators.{name}: needs head choices")
   arms = set(t.speculators) | ({"chain"} if t.chains.members else set())
@@ -171,9 +175,10 @@ def validate_tune(t: TuneSettings, where: str = "tune") -> TuneSettings:
   if t.arm_weights and not any(float(t.arm_weights.get(a, 1.0)) > 0 for a in arms):
     raise ConfigError(f"{where}.arm_weights: every weight is 0")
   c = t.chains
-  bad = [m for m in c.members if m not in HOST_SPECULATORS]
+  bad = [m for m in c.members if m not in chainable_speculators()]
   if bad:
-    raise ConfigError(f"{where}.chains.members: only host speculators chain ({list(HOST_SPECULATORS)}), got {bad}")
+    raise ConfigError(f"{where}.chains.members: only host speculators chain ({list(chainable_speculators())}), "
+                      f"got {bad}")
   if c.members and not 2 <= c.max_len <= len(c.members):
     raise ConfigError(f"{where}.chains.max_len: must be in [2, {len(c.members)}] (the number of members)")
   if c.members and (not c.policies or any(p not in ("best", "first") for p in c.policies)):
