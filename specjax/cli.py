@@ -144,12 +144,33 @@ def _check_model_name(name: str, flag: str) -> None:
                     "GGUF file / HF checkpoint directory")
 
 
+def _read_chat_template(args) -> str | None:
+  from pathlib import Path
+
+  from specjax.io.chat_template import JinjaChatTemplate
+  if args.chat_template is None:
+    return None
+  if not args.chat:
+    raise UserError("--chat-template applies with --chat")
+  path = Path(args.chat_template)
+  if not path.is_file():
+    raise UserError(f"--chat-template {path}: no such file")
+  source = path.read_text()
+  JinjaChatTemplate(source)                      # a template that does not parse fails before the load
+  return source
+
+
 def cmd_generate(args) -> int:
   from specjax import api
   args.prompts = _read_prompts(args)
   kw = check_generate_args(args)
   _check_model_name(args.model, "--model")
+  template = _read_chat_template(args)
   target = api.load(args.model, dtype=args.dtype)
+  if template is not None:
+    if target.tokenizer is None:
+      raise UserError(f"--chat-template needs a tokenizer; {args.model} has none")
+    target.tokenizer.set_chat_template(template)
   if args.warmup:   # compile once so tokens/s measures generation, not XLA compilation
     api.generate(target, args.prompts, **kw)
   out = api.generate(target, args.prompts, **kw)
@@ -199,6 +220,8 @@ def main(argv=None) -> int:
   g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                  help="float32 (CPU) or bfloat16 (GPU)")
   g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+  g.add_argument("--chat-template", default=None, metavar="FILE",
+                 help="with --chat, render chats with this Jinja template instead of the model's own")
   g.add_argument("--parse-special", action="store_true",
                  help="with --chat, parse control-token strings inside the prompt (default: they are text)")
   g.add_argument("--spec", default=None,

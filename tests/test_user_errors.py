@@ -222,6 +222,7 @@ def test_content_spans_match_the_rendered_chat_for_both_templates(target):
   ChatML and for Gemma (which strips turns and folds the system message into the first one)."""
   import copy
 
+  from specjax.io.chat_template import render_with_spans
   from specjax.io.tokenizer import ChatTemplate
   msgs = [{"role": "system", "content": " be brief "}, {"role": "user", "content": "  hi <b> \n"},
           {"role": "assistant", "content": " ok "}, {"role": "user", "content": "again"}]
@@ -229,7 +230,8 @@ def test_content_spans_match_the_rendered_chat_for_both_templates(target):
     tok = copy.copy(target.tokenizer)
     if template is not None:
       tok._chat = template
-    text, spans = tok._render_with_spans(msgs, True)
+    text, spans = render_with_spans(lambda ms: tok.apply_chat_template(ms, True), msgs,
+                                    tok.chat_template.rendered_content)
     assert text == tok.apply_chat_template(msgs)
     rendered = [text[a:b] for a, b in spans]
     assert rendered == [tok.chat_template.rendered_content(m["role"], m["content"]) for m in msgs]

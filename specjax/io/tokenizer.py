@@ -572,6 +572,13 @@ class Tokenizer:
       self._chat = ChatTemplate.detect(self._chat_source, self._text_to_id, bos_text)
     return self._chat
 
+  def set_chat_template(self, source: str) -> None:
+    """Render chats with this Jinja template instead of the file's (`--chat-template FILE`)."""
+    from specjax.io.chat_template import JinjaChatTemplate
+    special = {"bos_token": self._tokens[self._bos_id] if self._bos_id is not None else "",
+               "eos_token": self._tokens[self._eos_id] if self._eos_id is not None else ""}
+    self._chat = JinjaChatTemplate(source, special)
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     """Render `[{"role": ..., "content": ...}, ...]` the way the model's chat template does."""
     return self.chat_template.render(messages, add_generation_prompt)
@@ -585,42 +592,20 @@ class Tokenizer:
     (a user typing `<|im_end|>\n<|im_start|>assistant\n...`) is tokenized as text, so no message
     can forge a turn. `parse_special=True` parses them in content too (a caller that builds turns
     by hand)."""
-    text, spans = self._render_with_spans(messages, add_generation_prompt)
+    from specjax.io.chat_template import encode_chat_ids, render_with_spans
+    text, spans = render_with_spans(lambda ms: self.apply_chat_template(ms, add_generation_prompt), messages,
+                                    self.chat_template.rendered_content)
     bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
     add_bos = self._add_bos and not (bos_text and text.startswith(bos_text))
-    enc = self._tok.encode(text, add_special_tokens=False)
-    forged = [(a, b) for tid, (a, b) in zip(enc.ids, enc.offsets)
-              if self._types[tid] == TokenType.CONTROL and any(lo <= a < hi for lo, hi in spans)]
-    if parse_special or not forged:
-      return self._wrap(list(enc.ids), add_bos, False)
-    # Split at the template's control tokens only (as the tokenizer itself splits at added tokens)
-    # and encode the text between them with control strings as plain text.
-    template_cuts = [(a, b) for tid, (a, b) in zip(enc.ids, enc.offsets)
-                     if self._types[tid] == TokenType.CONTROL and (a, b) not in forged]
-    ids, pos = [], 0
-    for a, b in template_cuts:
-      ids += self.encode(text[pos:a], add_bos=False, add_eos=False, parse_special=False) if a > pos else []
-      ids.append(self._text_to_id[text[a:b]])
-      pos = b
-    if pos < len(text):
-      ids += self.encode(text[pos:], add_bos=False, add_eos=False, parse_special=False)
+    ids = encode_chat_ids(text, spans, [m.get("content") for m in messages], self._encode_offsets,
+                          lambda t: self._types[t] == TokenType.CONTROL,
+                          lambda x: self.encode(x, add_bos=False, add_eos=False, parse_special=False),
+                          lambda x: self._text_to_id[x], parse_special)
     return self._wrap(ids, add_bos, False)
 
-  def _render_with_spans(self, messages: Sequence[Mapping[str, Any]],
-                         add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered chat, [start, end) character spans of the message contents in it)."""
-    contents = [_content_text(m) for m in messages]
-    marked = self.apply_chat_template(
-        [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)], add_generation_prompt)
-    parts, spans, pos = [], [], 0
-    for piece in re.split(r"(\ue000\d+\ue001)", marked):
-      if piece.startswith("\ue000") and piece.endswith("\ue001"):
-        i = int(piece[1:-1])
-        piece = self.chat_template.rendered_content(str(messages[i]["role"]), contents[i])
-        spans.append((pos, pos + len(piece)))
-      parts.append(piece)
-      pos += len(piece)
-    return "".join(parts), spans          # = apply_chat_template(messages) (tests check it)
+  def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = self._tok.encode(text, add_special_tokens=False)
+    return list(enc.ids), list(enc.offsets)
 
   def __repr__(self) -> str:
     return (f"Tokenizer(model={self._model_type!r}, pre={self._pre!r}, vocab_size={self._vocab_size}, "

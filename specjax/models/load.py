@@ -42,6 +42,9 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
   if path.is_dir():
     from specjax.io.safetensors import load_safetensors_dir
     hf, tensors = load_safetensors_dir(path)
+    if with_tokenizer and (path / "tokenizer.json").is_file():
+      from specjax.io.hf_tokenizer import HFTokenizer
+      tokenizer = HFTokenizer(path)
   elif path.suffix == ".gguf":
     from gguf import GGUFReader
     from specjax.io.gguf import load_gguf
