@@ -227,6 +227,16 @@ def hf_tiny_config(arch: str):
     return Gemma3TextConfig(sliding_window=8, query_pre_attn_scalar=24,
                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                             **common)
+  if arch == "qwen3":   # QK-norm, explicit head_dim
+    from transformers import Qwen3Config
+    return Qwen3Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)
+  if arch == "mistral":
+    from transformers import MistralConfig
+    return MistralConfig(rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, **common)
+  if arch == "llama3_rope":   # Llama-3.1 rope scaling, with the original context inside the test lengths
+    return LlamaConfig(rope_theta=500000.0, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, **common)
   if arch == "llama_attn_bias":
     return LlamaConfig(rope_theta=10000.0, attention_bias=True, **common)
   raise ValueError(arch)

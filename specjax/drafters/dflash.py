@@ -121,7 +121,7 @@ def _context_kv(attn, ctx, ctx_pos):
   v = kv[..., nk:].reshape(b, s, attn.n_kv_heads, attn.head_dim)
   if attn.k_norm is not None:
     k = attn.k_norm(k)
-  return rope(k, ctx_pos, attn.theta), v
+  return rope(k, ctx_pos, attn.theta, attn.rope_scaling), v
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ that every family runs the same rotate-half rotary. Gemma files store RMSNorm we
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,12 @@ def load_gguf(path: str | Path, progress: bool = True, reader=None) -> tuple[dic
           and not k.startswith("tokenizer.ggml.merges") and not k.startswith("tokenizer.ggml.scores")}
   arch = meta["general.architecture"]
   tensors: dict[str, np.ndarray] = {}
+  if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    raise NotImplementedError(f"{Path(path).name}: GGUF tensor 'rope_freqs.weight' (Llama-3.x rope scaling "
+                              "factors) is not supported yet; load the model's HF checkpoint folder instead")
+  skipped = [t.name for t in reader.tensors if hf_name(t.name, arch) is None]
+  if skipped:
+    warnings.warn(f"{Path(path).name}: GGUF tensors with no place in a {arch} model, not loaded: {skipped[:8]}")
   for t in tqdm(reader.tensors, desc=f"load {Path(path).name}", disable=not progress, leave=False):
     name = hf_name(t.name, arch)
     if name is None:

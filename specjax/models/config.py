@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  arch: str                       # "llama" | "qwen2" | "gemma3"
+  arch: str                       # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma3"
   vocab_size: int
   d_model: int
   n_layers: int
@@ -24,6 +24,8 @@ class ModelConfig:
   ffn_dim: int
   rope_theta: float = 10000.0
   rope_local_theta: float | None = None     # gemma3 sliding layers
+  rope_scaling: tuple = ()                  # () or ("llama3", factor, low_freq_factor, high_freq_factor,
+                                            # original_max_positions) or ("linear", factor): full layers
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()         # "full" | "sliding", one per layer
   norm_eps: float = 1e-5
@@ -74,12 +76,12 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     model_type = "gemma3_text"
   d_model = hf["hidden_size"]
   n_heads = hf["num_attention_heads"]
-  theta, local_theta = _rope_thetas(hf)
+  theta, local_theta, scaling = _rope_thetas(hf)
   common = dict(
       vocab_size=hf["vocab_size"], d_model=d_model, n_layers=hf["num_hidden_layers"],
       n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads", n_heads),
       head_dim=hf.get("head_dim") or d_model // n_heads, ffn_dim=hf["intermediate_size"],
-      rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       bos_id=hf.get("bos_token_id"), eos_id=_first(hf.get("eos_token_id")))
   if model_type == "llama":
     if hf.get("mlp_bias"):
@@ -90,6 +92,17 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   if model_type == "qwen2":
     return ModelConfig(arch="qwen2", qkv_bias=True,
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
+  if model_type == "qwen3":     # QK-norm (plain RMSNorm over head_dim), no QKV bias by default
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+      raise NotImplementedError("qwen3 use_sliding_window=True is not supported")
+    return ModelConfig(arch="qwen3", qk_norm=True, qkv_bias=bool(hf.get("attention_bias", False)),
+                       o_bias=bool(hf.get("attention_bias", False)),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
+  if model_type == "mistral":   # llama layout; a sliding window (v0.1) makes every layer sliding
+    window = hf.get("sliding_window")
+    return ModelConfig(arch="mistral", sliding_window=window,
+                       layer_types=("sliding",) * common["n_layers"] if window else (),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **common)
   if model_type in ("gemma3_text", "gemma3"):
     n_layers = common["n_layers"]
     return ModelConfig(
@@ -98,21 +111,33 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         rope_local_theta=local_theta,
         sliding_window=hf.get("sliding_window"), layer_types=_gemma3_layer_types(hf, n_layers),
         query_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5, **common)
-  raise ValueError(f"unsupported model_type {model_type!r}; specjax runs llama, qwen2, gemma3")
+  raise NotImplementedError(f"unsupported model_type {model_type!r}; specjax runs llama, qwen2, qwen3, mistral, gemma3")
 
 
-def _rope_thetas(hf: dict[str, Any]) -> tuple[float, float]:
-  """(global, local) rotary bases from either config style: transformers 4 (`rope_theta`,
-  `rope_local_base_freq`, `rope_scaling`) or transformers 5 (`rope_parameters`, per layer type)."""
+def _rope_thetas(hf: dict[str, Any]) -> tuple[float, float, tuple]:
+  """(global base, local base, scaling of the global one) from either config style: transformers 4
+  (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) or transformers 5 (`rope_parameters`, per
+  layer type). Scaling: () , ("linear", factor) or ("llama3", factor, low, high, original positions)."""
   params = hf.get("rope_parameters") or {}
   per_type = params if "full_attention" in params else {"full_attention": params or hf.get("rope_scaling") or {}}
-  for kind in per_type.values():
-    rope_type = (kind or {}).get("rope_type", (kind or {}).get("type", "default"))
-    if rope_type not in ("default", None):
-      raise NotImplementedError(f"rope type {rope_type!r} is not supported yet")
+  scaling = ()
+  for layer_type, kind in per_type.items():
+    kind = kind or {}
+    rope_type = kind.get("rope_type", kind.get("type", "default"))
+    if rope_type in ("default", None):
+      continue
+    if layer_type != "full_attention":
+      raise NotImplementedError(f"rope type {rope_type!r} on {layer_type} layers is not supported yet")
+    if rope_type == "linear":
+      scaling = ("linear", float(kind["factor"]))
+    elif rope_type == "llama3":
+      scaling = ("llama3", float(kind["factor"]), float(kind["low_freq_factor"]), float(kind["high_freq_factor"]),
+                 int(kind["original_max_position_embeddings"]))
+    else:
+      raise NotImplementedError(f"rope type {rope_type!r} is not supported yet (default, linear, llama3 are)")
   theta = float(per_type["full_attention"].get("rope_theta", hf.get("rope_theta", 10000.0)))
   local = float(per_type.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
-  return theta, local
+  return theta, local, scaling
 
 
 def _first(x):

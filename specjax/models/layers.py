@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.kernels import verify_attention
@@ -53,10 +54,26 @@ class RMSNorm(nnx.Module):
     return (xf * w).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(d: int, theta: float, scaling: tuple = ()) -> np.ndarray:
+  """Rotary frequencies [D/2] (float32, static): theta^(-2i/D), then the checkpoint's scaling.
+  "linear": every frequency / factor. "llama3": wavelengths longer than original/low_freq_factor
+  are slowed by `factor`, shorter than original/high_freq_factor kept, and those between blend the
+  two linearly in original/wavelength."""
+  inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  if scaling and scaling[0] == "linear":
+    inv_freq = inv_freq / scaling[1]
+  elif scaling and scaling[0] == "llama3":
+    _, factor, low, high, original = scaling
+    wavelen = 2 * np.pi / inv_freq
+    blend = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)       # 0: slowed, 1: kept
+    inv_freq = (1 - blend) * inv_freq / factor + blend * inv_freq
+  return inv_freq.astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
   """Rotate-half rotary embedding. x [B, T, H, D], positions [B, T] int."""
   d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))      # [D/2]
+  inv_freq = jnp.asarray(rope_inv_freq(d, theta, scaling))                       # [D/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq                   # [B, T, D/2]
   cos = jnp.cos(angles)[:, :, None, :]                                           # [B, T, 1, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -83,6 +100,7 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, d
     self.theta = cfg.rope_local_theta if (sliding and cfg.rope_local_theta) else cfg.rope_theta
+    self.rope_scaling = () if (sliding and cfg.rope_local_theta) else cfg.rope_scaling
     self.scale = cfg.scale
 
   def __call__(self, x, positions, write_kv, mask, ragged=None):
@@ -96,7 +114,7 @@ class Attention(nnx.Module):
     v = qkv[..., nq + nk:].reshape(b, t, self.n_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+    q, k = rope(q, positions, self.theta, self.rope_scaling), rope(k, positions, self.theta, self.rope_scaling)
     k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
     out = verify_attention.attention(q, k_all, v_all, mask, self.scale, ragged)   # [B, T, H, D]
     return self.o_proj(out.reshape(b, t, -1)), (k_all, v_all)
