@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,25 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(toy_target, toy_dataset
   assert log_a[-1]["loss"] < log_a[0]["loss"]
   assert meta["n_heads"] == 2 and meta["dtype"] == "bfloat16" and meta["training"]["steps"] == 8
   assert {"loss_0", "acc_0", "loss_2", "grad_norm", "lr"} <= set(log_a[-1])
+  # the same curves as TensorBoard event files: every logged loss, read back from the records
+  assert _event_scalars(tmp_path / "a" / "tensorboard" / "metrics", "loss") == pytest.approx([m["loss"] for m in log_a])
+
+
+def _event_scalars(folder, tag: str) -> list[float]:
+  """The `tag` scalars of the TensorBoard event files in `folder` (TFRecord framing: u64 length,
+  u32 crc, the Event proto, u32 crc)."""
+  import struct
+
+  from tensorboardX.proto.event_pb2 import Event
+  out = []
+  for f in sorted(Path(folder).glob("events.out.tfevents.*")):
+    data, pos = f.read_bytes(), 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 12 + n + 4
+      out += [v.simple_value for v in event.summary.value if v.tag == tag]
+  return out
 
 
 def test_config_and_command(tmp_path):

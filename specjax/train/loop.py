@@ -131,11 +131,19 @@ def _host(metrics: dict) -> dict:
   return {k: float(np.asarray(v)) for k, v in metrics.items()}
 
 
+def _event_writer(folder: Path, log_name: str):
+  """TensorBoard event files beside metrics.jsonl (`tensorboard --logdir OUT/tensorboard`), one run
+  folder per log (a training run's rounds keep separate curves)."""
+  from tensorboardX import SummaryWriter
+  return SummaryWriter(str(folder / Path(log_name).stem), flush_secs=30)
+
+
 def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], tc: TrainConfig,
           out_dir: str | Path, *, resume: bool = True, stop_at: int | None = None,
           progress: bool = True, log_name: str = "metrics.jsonl") -> TrainResult:
   """Train `params` for `tc.steps` steps (or until `stop_at`, for a deliberately interrupted run),
-  checkpointing to `out_dir/checkpoints` and logging to `out_dir/metrics.jsonl`. With `resume`,
+  checkpointing to `out_dir/checkpoints` and logging to `out_dir/metrics.jsonl` (and TensorBoard
+  event files under `out_dir/tensorboard`). With `resume`,
   continue from the newest checkpoint there."""
   from tqdm.auto import tqdm
   out = Path(out_dir)
@@ -161,6 +169,7 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
   t0 = time.perf_counter()
   bar = tqdm(total=tc.steps, initial=start, disable=not progress, desc="train", dynamic_ncols=True)
   pending = []   # (step, device metrics) not yet logged: fetching them every step would sync
+  board = _event_writer(out / "tensorboard", log_name)
   with open(log_path, "a") as log:
     for step in range(start, end):
       batch = {k: jnp.asarray(v) for k, v in get_batch(step).items()}
@@ -172,13 +181,18 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
         for s, m in pending:
           last = {"step": s, **_host(m), "time": round(time.perf_counter() - t0, 3)}
           log.write(json.dumps(last) + "\n")
+          for k, v in last.items():
+            if k != "step":
+              board.add_scalar(k, v, s)
         log.flush()
+        board.flush()
         pending = []
         bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
       bar.update(1)
       if done % tc.ckpt_every == 0 or done == end:
         ckpts.save(done, {"params": params, "opt_state": opt_state})
   bar.close()
+  board.close()
   ckpts.close()
   return TrainResult(params=params, step=end, metrics=last, seconds=time.perf_counter() - t0,
                      resumed_from=resumed)
