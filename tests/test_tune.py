@@ -127,11 +127,8 @@ def test_adaptive_drafting_is_a_searched_dimension():
   assert not any(m.adaptive for m in tune.sample_candidates(tiny_config(seed=5).tune, 8))
 
 
-def test_split_is_stratified_disjoint_and_seeded():
-  try:
-    qs = load_prompt_set("mt_bench", limit=40)
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
+def test_split_is_stratified_disjoint_and_seeded(prompt_data):
+  qs = load_prompt_set("mt_bench", limit=40)      # tests/conftest.py's tiny set: 8 categories x 5
   tune_qs, hold = tune.split_questions(qs, 0.5, seed=0)
   ids_t, ids_h = {q.question_id for q in tune_qs}, {q.question_id for q in hold}
   assert not ids_t & ids_h and len(ids_t | ids_h) == 40

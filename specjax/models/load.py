@@ -24,7 +24,8 @@ class LoadedModel:
 
 
 def resolve_path(name_or_path: str) -> Path:
-  """A fetch name (downloaded on first use) or an existing GGUF file / HF directory."""
+  """A fetch name (downloaded on first use; fetched again when the cached file no longer matches its
+  sha256) or an existing GGUF file / HF directory."""
   from specjax.io import fetch
   if name_or_path in fetch.MODELS:
     return fetch.fetch(name_or_path)
@@ -32,6 +33,7 @@ def resolve_path(name_or_path: str) -> Path:
   if not path.exists():
     raise FileNotFoundError(f"{name_or_path!r} is neither a known model ({', '.join(sorted(fetch.MODELS))}) "
                             "nor an existing GGUF file / HF checkpoint directory")
+  fetch.check_cached(path)     # a file fetched into the cache and changed since: corrupt, refused
   return path
 
 

