@@ -118,6 +118,12 @@ def _spec_config(text: str | None) -> dict:
   return cfg
 
 
+def cmd_export_head(args) -> int:
+  from specjax.drafters.eagle3_reference import export_file
+  print(export_file(args.head, args.out))
+  return 0
+
+
 def speculator_table(only=None) -> str:
   """The registered speculators (or those named in `only`) as a Markdown table (the README's table
   is this text for the built-in ones)."""
@@ -267,6 +273,12 @@ def main(argv=None) -> int:
   g.add_argument("--max-new-tokens", type=int, default=128)
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
+
+  ex = sub.add_parser("export-head", help="write a trained EAGLE-3 head in the layout the EAGLE code, SpecForge, "
+                                           "SGLang and vLLM load (config.json + model.safetensors)")
+  ex.add_argument("head", help="a specjax EAGLE-3 head (X.safetensors beside X.json, or its folder)")
+  ex.add_argument("out", help="the folder to write")
+  ex.set_defaults(func=cmd_export_head)
 
   sp = sub.add_parser("speculators", help="list the registered speculators and their options")
   sp.add_argument("--markdown", action="store_true", help="as the README's Markdown table")

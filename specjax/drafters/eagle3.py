@@ -461,8 +461,13 @@ def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", 
 
 def load_head(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, np.ndarray, Eagle3Config, dict]:
   """(head params as a pure dict, d2t [Vd] int32, its Eagle3Config, JSON config) for target `cfg`;
-  refuses a head trained for a target of other sizes."""
+  refuses a head trained for a target of other sizes. A folder in the reference layout (the EAGLE
+  code / SpecForge / SGLang / vLLM: `config.json` + safetensors) loads too."""
   from safetensors.numpy import load_file
+
+  from specjax.drafters.eagle3_reference import is_reference_folder, load_reference
+  if is_reference_folder(path):
+    return load_reference(path, cfg, dtype)
   wpath, cpath = head_paths(path)
   if not wpath.exists():
     raise FileNotFoundError(f"no EAGLE-3 head weights at {wpath}")
