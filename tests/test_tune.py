@@ -221,3 +221,33 @@ def test_random_run_respects_the_trial_budget(target, halving_run):
   assert len(report["trials"]) == 3 and report["stop_reason"] == "trials"
   assert report["trials"][0]["label"] != report["default"]["label"]
   _check_best(report)
+
+
+def test_repeats_of_a_suffix_trial_see_the_same_drafter(target, monkeypatch):
+  """A trial times each question `repeats` times from one drafter state: the suffix drafter's global
+  tree (cross-request memory) is restored before every timed repeat, so the second repeat cannot
+  draft the answer the first one just produced; both repeats accept exactly what a one-repeat run
+  accepts, and the warm-up leaves no trace either."""
+  from specjax.bench import harness
+  timed = []
+  call = harness.Runner._call
+
+  def spy(self, prompts, max_new_tokens, warm=False):
+    out = call(self, prompts, max_new_tokens, warm)
+    if not warm and out.stats is not None:
+      timed.append((self.cfg.repeats, out.stats.acc_tokens, out.stats.rounds))
+    return out
+
+  monkeypatch.setattr(harness.Runner, "_call", spy)
+  method = MethodConfig(name="suffix", speculator="suffix", options={"max_spec_tokens": 8},
+                        draft_params=tune.DraftParamsConfig(n_max=8))
+  questions = tiny_questions(3)
+  counts = {}
+  for repeats in (1, 2):
+    cfg = dataclasses.replace(tiny_config().experiment, repeats=repeats)
+    recs = tune.run_questions(cfg, target, method, questions)
+    counts[repeats] = [(r.acc_tokens, r.rounds) for r in recs]
+    assert all(len(r.repeat_seconds) == repeats for r in recs)
+  assert counts[1] == counts[2] and sum(a for a, _ in counts[1]) > 0
+  twice = [(a, n) for reps, a, n in timed if reps == 2]
+  assert twice[0::2] == twice[1::2] == [(a, n) for reps, a, n in timed if reps == 1]

@@ -4,11 +4,17 @@ errors that name the key)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+PLAIN_NAME = "plain"          # the harness's name of plain decoding: no method may take it
+TINY_RANDOM = "tiny-random"   # target: a tiny random model (specjax.tune.tiny_model), for tests
+DEFAULT_CAPACITY = 2048       # KV slots when `capacity` is not given: one size, decode loops compile once
 
 
 class ConfigError(ValueError):
@@ -75,7 +81,10 @@ def _type_ok(value, tp) -> bool:
   if tp is int:
     return isinstance(value, int) and not isinstance(value, bool)
   if origin in (tuple, list):
-    return isinstance(value, (list, tuple))
+    if not isinstance(value, (list, tuple)):
+      return False
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+    return len(args) != 1 or all(_type_ok(v, args[0]) for v in value)
   if origin is dict or tp is dict:
     return isinstance(value, dict)
   if isinstance(tp, type):
@@ -112,49 +121,145 @@ def _build(cls, data: Any, where: str):
   return cls(**kwargs)
 
 
-def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_INT32 = 2 ** 31 - 1
+
+
+def _known_model(name: str) -> bool:
+  """A fetch name, the tests' random model, or an existing file / directory."""
+  from specjax.io.fetch import MODELS
+  return name in MODELS or name == TINY_RANDOM or Path(name).expanduser().exists()
+
+
+def _check_adaptive(ad, where: str) -> None:
+  """`adaptive:` is true / false, or a mapping of `specjax.adaptive.AdaptiveConfig` fields."""
+  if not isinstance(ad, dict):
+    return
+  from specjax.adaptive import AdaptiveConfig
+  fields = {f.name: f for f in dataclasses.fields(AdaptiveConfig)}
+  unknown = sorted(set(ad) - set(fields))
+  if unknown:
+    raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+  for key, value in ad.items():
+    if key in ("widths", "costs"):
+      ok = value is None or (isinstance(value, list) and value and all(_finite(v) and v >= 0 for v in value)
+                             and (key == "costs" or all(isinstance(v, int) for v in value)))
+      if not ok:
+        raise ConfigError(f"{where}.{key}: a non-empty list of numbers >= 0 (widths: whole numbers), got {value!r}")
+    elif fields[key].type in ("int", int):
+      if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _INT32):
+        raise ConfigError(f"{where}.{key}: a whole number >= 1, got {value!r}")
+    elif not (_finite(value) and value >= 0):
+      raise ConfigError(f"{where}.{key}: a finite number >= 0, got {value!r}")
+
+
+def _check_method(i: int, m: MethodConfig, seen: set) -> None:
   from specjax.drafters.registry import check_speculator
   from specjax.drafters.speculator_spec import names as known
   from specjax.errors import UserError
-  for i, m in enumerate(cfg.methods):
-    names = [s.strip() for s in m.speculator.split(",")]
-    bad = [n for n in names if n not in known()]
-    if bad:
-      raise ConfigError(f"methods[{i}].speculator: unknown speculator(s) {bad}; known: {list(known())}")
-    # options against the speculators' schemas, chains, the kind of an existing head file: before any
-    # model is loaded (a head a training stage will write is checked when the method is built)
-    head = m.head if m.head and Path(m.head).exists() else None
-    try:
-      check_speculator(m.speculator, m.options, head=head, draft_model=m.draft_model)
-    except UserError as e:
-      raise ConfigError(f"methods[{i}] ({m.name}): {e}") from None
-    if m.policy not in ("best", "first"):
-      raise ConfigError(f"methods[{i}].policy: must be 'best' or 'first', got {m.policy!r}")
-    if "draft" in names and not m.draft_model:
-      raise ConfigError(f"methods[{i}].draft_model: required for speculator 'draft'")
-    if m.draft_params.n_max < 1 or m.draft_params.n_min < 0 or m.draft_params.n_min > m.draft_params.n_max:
-      raise ConfigError(f"methods[{i}].draft_params: need 1 <= n_max and 0 <= n_min <= n_max")
-  if cfg.max_new_tokens < 1 or cfg.batch_size < 1 or cfg.repeats < 1 or cfg.turns < 1:
-    raise ConfigError("max_new_tokens, batch_size, repeats and turns must be >= 1")
-  if cfg.sampling.temperature < 0 or not (0 < cfg.sampling.top_p <= 1):
-    raise ConfigError("sampling.temperature must be >= 0 and sampling.top_p in (0, 1]")
+  where = f"methods[{i}]"
+  if not m.name.strip() or m.name == PLAIN_NAME or m.name in seen:
+    raise ConfigError(f"{where}.name: a non-empty name other than {PLAIN_NAME!r}, unique among the methods; "
+                      f"got {m.name!r}")
+  seen.add(m.name)
+  names = [s.strip() for s in m.speculator.split(",")]
+  bad = [n for n in names if n not in known()]
+  if bad:
+    raise ConfigError(f"{where}.speculator: unknown speculator(s) {bad}; known: {list(known())}")
+  if m.policy not in ("best", "first"):
+    raise ConfigError(f"{where}.policy: must be 'best' or 'first', got {m.policy!r}")
+  if "draft" in names and not m.draft_model:
+    raise ConfigError(f"{where}.draft_model: required for speculator 'draft'")
+  if m.draft_model is not None and not _known_model(m.draft_model):
+    raise ConfigError(f"{where}.draft_model: {m.draft_model!r} is neither a known model nor an existing path")
+  dp = m.draft_params
+  if not 1 <= dp.n_max <= _INT32 or not 0 <= dp.n_min <= dp.n_max:
+    raise ConfigError(f"{where}.draft_params: need 1 <= n_max and 0 <= n_min <= n_max, got n_max={dp.n_max!r}, "
+                      f"n_min={dp.n_min!r}")
+  if not (_finite(dp.p_min) and 0 <= dp.p_min <= 1):
+    raise ConfigError(f"{where}.draft_params.p_min: must be in [0, 1], got {dp.p_min!r}")
+  _check_adaptive(m.adaptive, f"{where}.adaptive")
+  # options against the speculators' schemas, chains, the kind of an existing head file: before any
+  # model is loaded (a head a training stage will write is checked when the method is built)
+  head = m.head if m.head and Path(m.head).exists() else None
+  try:
+    check_speculator(m.speculator, m.options, head=head, draft_model=m.draft_model)
+  except UserError as e:
+    key = "options" if "option" in str(e) else ("head" if "head" in str(e) else "speculator")
+    raise ConfigError(f"{where}.{key} ({m.name}): {e}") from None
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+  """Every check that needs no model, each error naming its key."""
+  if not cfg.name.strip() or "/" in cfg.name or "\\" in cfg.name:
+    raise ConfigError(f"name: a non-empty file stem (no slashes), got {cfg.name!r}")
+  if not _known_model(cfg.target):
+    raise ConfigError(f"target: {cfg.target!r} is neither a known model nor an existing GGUF file / HF directory")
   if cfg.dtype not in ("float32", "bfloat16", "float16"):
     raise ConfigError(f"dtype: must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+  if not cfg.prompts or any(not p.strip() for p in cfg.prompts):
+    raise ConfigError(f"prompts: a non-empty list of prompt-set names or paths, got {list(cfg.prompts)!r}")
+  if cfg.limit is not None and not 1 <= cfg.limit:
+    raise ConfigError(f"limit: questions per prompt set must be >= 1 (or null: all), got {cfg.limit!r}")
+  for key in ("turns", "max_new_tokens", "batch_size", "repeats"):
+    value = getattr(cfg, key)
+    if not 1 <= value <= _INT32:
+      raise ConfigError(f"{key}: must be a whole number >= 1, got {value!r}")
+  if not 0 <= cfg.seed < 2 ** 32:
+    raise ConfigError(f"seed: must be in [0, 2**32), got {cfg.seed!r}")
+  widest = max([m.draft_params.n_max for m in cfg.methods] + [0])
+  capacity = DEFAULT_CAPACITY if cfg.capacity is None else cfg.capacity
+  if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:
+    raise ConfigError(f"{'capacity' if cfg.capacity is not None else 'max_new_tokens'}: the KV cache "
+                      f"({capacity} slots{'' if cfg.capacity is not None else ', the default capacity'}) must hold "
+                      f"the prompt + max_new_tokens ({cfg.max_new_tokens}) + the widest draft ({widest}) + 1")
+  s = cfg.sampling
+  if not (_finite(s.temperature) and s.temperature >= 0):
+    raise ConfigError(f"sampling.temperature: must be a finite number >= 0, got {s.temperature!r}")
+  if not 0 <= s.top_k <= _INT32:
+    raise ConfigError(f"sampling.top_k: must be >= 0 (0 = off), got {s.top_k!r}")
+  if not (_finite(s.top_p) and 0 < s.top_p <= 1):
+    raise ConfigError(f"sampling.top_p: must be in (0, 1], got {s.top_p!r}")
+  seen: set = set()
+  for i, m in enumerate(cfg.methods):
+    _check_method(i, m, seen)
   return cfg
 
 
 def config_from_dict(data: dict, where: str = "config") -> ExperimentConfig:
-  return validate(_build(ExperimentConfig, data, where))
+  cfg = _build(ExperimentConfig, data, where)
+  try:
+    return validate(cfg)
+  except ConfigError as e:             # named as _build names keys: <where>.<key>
+    raise ConfigError(f"{where}.{e}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+  """A YAML file's data; a missing, unreadable or malformed file is a one-line ConfigError."""
+  path = Path(path)
+  try:
+    text = path.read_text(encoding="utf-8")
+  except FileNotFoundError:
+    raise ConfigError(f"{path}: no such config file") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path}: cannot read the config ({type(e).__name__}: {e})") from None
+  try:
+    data = yaml.safe_load(text)
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+  if data is None:
+    raise ConfigError(f"{path}: empty config")
+  return data
 
 
 def load_config(path: str | Path, **overrides) -> ExperimentConfig:
   path = Path(path)
-  try:
-    data = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: not valid YAML: {e}") from e
-  if data is None:
-    raise ConfigError(f"{path}: empty config")
+  data = read_yaml(path)
   if isinstance(data, dict):
     data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
   return config_from_dict(data, where=path.name)

@@ -6,7 +6,8 @@
 Writes into --out (default experiments/results/<name>): best.yaml (a `specjax bench` config: plain
 vs default vs tuned on the held-out questions), trials.json / trials.md / trials.png, holdout.json /
 holdout.png, tune_prompts.jsonl / holdout_prompts.jsonl. Also runs as
-`python -m specjax.bench.tune_cli --config ...`.
+`python -m specjax.bench.tune_cli --config ...`. User errors (a bad config, a budget no trial fits
+in, a missing prompt set) are one line `error: ...` and exit 2.
 """
 
 from __future__ import annotations
@@ -17,20 +18,11 @@ from pathlib import Path
 
 
 def cmd_tune(args) -> int:
-  from specjax.bench.config import ConfigError
-  from specjax.tune import TuneError, load_tune_config, run_tune, write_outputs
-  try:
-    tcfg = load_tune_config(args.config, limit=args.limit, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed, strategy=args.strategy, trials=args.trials, seconds=args.seconds)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  from specjax.tune import load_tune_config, run_tune, write_outputs
+  tcfg = load_tune_config(args.config, limit=args.limit, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                          seed=args.seed, strategy=args.strategy, trials=args.trials, seconds=args.seconds)
   log = (lambda s: print(s, file=sys.stderr)) if not args.quiet else None
-  try:
-    report = run_tune(tcfg, progress=not args.quiet, log=log)
-  except TuneError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  report = run_tune(tcfg, progress=not args.quiet, log=log)
   out = Path(args.out or Path("experiments/results") / tcfg.name)
   paths = write_outputs(report, out)
   print(paths["trials_md"].read_text())
@@ -53,16 +45,33 @@ def add_tune_commands(sub) -> None:
   t.set_defaults(func=cmd_tune)
 
 
+def _user_errors() -> tuple:
+  """What the user can fix (a config, a budget, a missing file): one line, exit 2."""
+  from specjax.bench.config import ConfigError
+  from specjax.errors import UserError
+  from specjax.io.fetch import FetchError
+  from specjax.tune.config import TuneError
+  return (UserError, ConfigError, FetchError, TuneError, FileNotFoundError)
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="specjax")
+  class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, exit 2, as `specjax`
+      print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+      sys.exit(2)
+
+  ap = Parser(prog="specjax")
   sub = ap.add_subparsers(dest="cmd", required=True)
   add_tune_commands(sub)
   args = ap.parse_args(["tune", *(sys.argv[1:] if argv is None else argv)])
   try:
     return args.func(args)
-  except (ValueError, FileNotFoundError, KeyError) as e:
-    print(f"error: {e}", file=sys.stderr)
+  except _user_errors() as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -46,10 +46,11 @@ a trial, against about 1 s of timed generation on 3 two-turn MT-bench questions)
 costs little more than halving's first rung and measures with less noise; halving pays off when
 generation dominates (long answers, many questions, configurations that share programs).
 
-Timings exclude compilation: each trial warms every new input shape up with a two-token
-generation (which compiles the same programs as a full one) before its timed runs. Unlike the
-bench harness's full-length warm-up, that keeps the suffix drafter's cross-request cache from
-seeing the very answer it is about to be timed on.
+Timings are the bench harness's (`specjax.bench.harness.Runner`, one runner for both): each trial
+warms every new input shape up with a two-token generation (which compiles the same programs as a
+full one) before its timed runs, drafters with cross-request memory (suffix, ngram_mod,
+ngram_cache) are restored to the same state before every timed repeat, so no repeat drafts from an
+answer it has already produced, and every repeat's time is kept (`repeat_spread` in the summaries).
 
 Outputs (`write_outputs`): `best.yaml` (a bench config: plain vs default vs tuned on the held-out
 questions, `holdout_prompts.jsonl`), `trials.json`, `trials.md`, `trials.png`, `holdout.json`,
@@ -57,7 +58,7 @@ questions, `holdout_prompts.jsonl`), `trials.json`, `trials.md`, `trials.png`, `
 
 The package, one concept a module: `config` (the tune config and its validation), `space` (candidate
 methods drawn from the space), `questions` (the tune / held-out split), `trial` (measuring one
-method), `search` (`run_tune`), `report` (the trials table and figure), `outputs` (the files of a
+method with the harness's runner), `search` (`run_tune`), `report` (the trials table and figure), `outputs` (the files of a
 run), `tiny_model` (a tiny random model for notebooks and tests). Everything public is importable
 from `specjax.tune`.
 """

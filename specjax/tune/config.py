@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from specjax.bench.config import ConfigError, ExperimentConfig, MethodConfig, _build, config_from_dict, to_dict
+from specjax.bench.config import (ConfigError, ExperimentConfig, MethodConfig, _build, config_from_dict, read_yaml,
+                                  to_dict)
 from specjax.drafters import speculator_spec
 
 METRICS = ("tokens_per_s", "mean_tokens_per_s", "speedup")
@@ -206,10 +206,7 @@ def load_tune_config(path: str | Path, **overrides) -> TuneConfig:
   """Read a tune config; overrides (None = keep): experiment keys (limit, dtype, max_new_tokens, ...),
   seed / strategy / metric, and trials / seconds (the budget)."""
   path = Path(path)
-  try:
-    data = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: not valid YAML: {e}") from e
+  data = read_yaml(path)
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: expected a mapping")
   if "tune" not in data:

@@ -9,16 +9,16 @@ import time
 
 from specjax.bench import harness
 from specjax.bench.config import MethodConfig, to_dict
-from specjax.bench.prompts import Question, load_prompt_set
+from specjax.bench.prompts import Question
 from specjax.tune.config import TuneConfig, TuneError, _plain, tune_config_to_dict
 from specjax.tune.questions import split_questions
 from specjax.tune.report import _fmt, _num
 from specjax.tune.space import Space, method_key, method_label
-from specjax.tune.trial import _Deadline, run_questions, summarize
+from specjax.tune.trial import Deadline, run_questions, summarize
 
 
 _SUMMARY_KEYS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "mean_tokens_per_s", "speedup", "tau",
-                 "acceptance_rate", "equal", "draft_seconds")
+                 "acceptance_rate", "equal", "draft_seconds", "repeat_spread")
 
 
 def _trial_row(index: int, method: MethodConfig) -> dict:
@@ -44,22 +44,18 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   """Search, then evaluate plain / default / best on the held-out questions. Returns the report dict
   (JSON-ready; `write_outputs` writes it). `target`: a loaded model to reuse (else `cfg.target` is
   loaded); `questions`: instead of the config's prompt sets."""
-  import jax.numpy as jnp
   from tqdm.auto import tqdm
 
-  from specjax.bench.env import device_info, git_revision
-  from specjax.models.load import load_model
+  from specjax.bench import env
 
   cfg, t = tcfg.experiment, tcfg.tune
   say = log or (lambda s: None)
   t_start = time.perf_counter()
-  if target is None:
-    target = load_model(cfg.target, dtype=jnp.dtype(cfg.dtype), progress=progress)
-  if questions is None:
-    questions = []
-    for ps in cfg.prompts:
-      questions += load_prompt_set(ps, limit=cfg.limit, categories=list(cfg.categories) or None)
+  if questions is None:                            # prompt sets first: a bad one fails before the model loads
+    questions = harness.load_questions(cfg)
   tune_qs, holdout_qs = split_questions(list(questions), t.holdout_fraction, t.seed)
+  if target is None:
+    target = harness.load_target(cfg, progress=progress)
   say(f"{len(tune_qs)} tuning and {len(holdout_qs)} held-out questions")
   draft_cache: dict = {}
   default = dataclasses.replace(tcfg.default_method)
@@ -77,7 +73,7 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   plain_records: list[harness.PromptRecord] = []
   try:
     plain_records = run_questions(cfg, target, None, tune_qs, draft_cache, deadline)
-  except _Deadline:
+  except Deadline:
     stop_reason = "seconds"
   plain = {(r.question_id, r.turn): r for r in plain_records}
   plain_summary = harness._summary(plain_records, plain) if plain_records else None
@@ -105,7 +101,7 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
     t1 = time.perf_counter()
     try:
       recs = run_questions(cfg, target, methods[i], todo, draft_cache, deadline) if todo else []
-    except _Deadline:
+    except Deadline:
       row["wall_seconds"] += time.perf_counter() - t1
       if row["status"] == "pending":
         row["status"] = "cut"
@@ -179,7 +175,8 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   by_method[default.name] = run_questions(cfg, target, default, holdout_qs, draft_cache)
   by_method[best_method.name] = run_questions(cfg, target, best_method, holdout_qs, draft_cache)
   holdout_cfg = dataclasses.replace(cfg, name=f"{cfg.name}_holdout", methods=(default, best_method))
-  holdout = harness.result_dict(holdout_cfg, by_method, time.perf_counter() - t2)
+  holdout = harness.result_dict(holdout_cfg, by_method, time.perf_counter() - t2,
+                                files=harness.run_files(holdout_cfg, target))
   hs = holdout["summary"]
   say(f"held-out tokens/s: plain {_fmt(hs['plain']['overall']['tokens_per_s'])}, "
       f"{default.name} {_fmt(hs[default.name]['overall']['tokens_per_s'])}, "
@@ -188,8 +185,10 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   return {
       "experiment": cfg.name,
       "config": tune_config_to_dict(tcfg),
-      "git_revision": git_revision(),
-      "device": device_info(),
+      "git_revision": env.git_revision(),
+      "device": env.device_info(),
+      "environment": env.environment(),
+      "files": _files(cfg, target, methods),
       "strategy": t.strategy,
       "metric": t.metric,
       "seed": t.seed,
@@ -208,6 +207,11 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
       "holdout": holdout,
       "_questions": (tune_qs, holdout_qs),           # dropped by write_outputs (not JSON)
   }
+
+
+def _files(cfg, target, methods: list[MethodConfig]) -> dict:
+  """The files the search read: the target's, and those of every draft model and head tried."""
+  return harness.run_files(dataclasses.replace(cfg, methods=tuple(methods)), target)
 
 
 def _tuned_name(default: MethodConfig) -> str:
