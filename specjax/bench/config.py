@@ -207,7 +207,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
   for key in ("turns", "max_new_tokens", "batch_size", "repeats"):
     value = getattr(cfg, key)
     if not 1 <= value <= _INT32:
-      raise ConfigError(f"{key}: must be a whole number >= 1, got {value!r}")
+      raise ConfigError(f"{key}: must be a whole number in [1, 2**31), got {value!r}")
   if not 0 <= cfg.seed < 2 ** 32:
     raise ConfigError(f"seed: must be in [0, 2**32), got {cfg.seed!r}")
   widest = max([m.draft_params.n_max for m in cfg.methods] + [0])
@@ -215,7 +215,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
   if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:
     raise ConfigError(f"{'capacity' if cfg.capacity is not None else 'max_new_tokens'}: the KV cache "
                       f"({capacity} slots{'' if cfg.capacity is not None else ', the default capacity'}) must hold "
-                      f"the prompt + max_new_tokens ({cfg.max_new_tokens}) + the widest draft ({widest}) + 1")
+                      f"the prompt + max_new_tokens ({cfg.max_new_tokens}) + the widest draft (n_max {widest}) + 1")
   s = cfg.sampling
   if not (_finite(s.temperature) and s.temperature >= 0):
     raise ConfigError(f"sampling.temperature: must be a finite number >= 0, got {s.temperature!r}")
