@@ -2,8 +2,9 @@
 (its result JSON is valid and partial), and `--resume` completes it into the result an
 uninterrupted run writes: the same rows with the same tokens and counts, the same summary apart
 from timing. The kill lands inside the suffix method, so the resumed suffix rows also show that the
-drafter's cross-request memory was rebuilt from the rows kept. On the tiny random model (~40 s on
-two cores, most of it compiling)."""
+drafter's cross-request memory was rebuilt from the rows kept. `eval-dflash --resume` keeps the
+temperatures an interrupted evaluation completed. On the tiny random model (~40 s and ~15 s on two
+cores, most of it compiling)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = [("a1", "x", ["Say cat cat cat now.", "Again, cat."]), ("a2", "y", ["Say dog dog dog now.", "Again, dog."]),
-             ("a3", "x", ["Say sun sun sun now.", "Again, sun."])]
+QUESTIONS = [("a1", "x", ["cat?", "more."]), ("a2", "y", ["dog?", "more."]),
+             ("a3", "x", ["sun?", "more."])]
 # every non-timing field of a row: equal between a resumed and an uninterrupted run
 ROW_FIELDS = ("category", "new_tokens", "tokens_digest", "rounds", "gen_tokens", "acc_tokens", "emitted",
               "drafted_by_pos", "accepted_by_pos", "equal_to_plain")
@@ -111,3 +112,30 @@ def test_killed_bench_resumes_to_the_uninterrupted_result(setup):
   assert changed.returncode == 2 and "Traceback" not in changed.stderr
   assert changed.stderr.strip().splitlines()[-1].startswith("error: --resume: the config changed")
   assert "max_new_tokens: 8 then, 16 now" in changed.stderr
+
+
+def test_eval_keeps_the_temperatures_an_interrupted_run_completed(tmp_path):
+  """`specjax train eval-dflash --resume`'s evaluation: given the rows of an interrupted run, a
+  temperature whose rows are all there (plain and every method) is kept as it is, the others run
+  again; the result has the rows of an uninterrupted run in its order, each with its spread over
+  repeats. (ngram_simple stands in for a trained drafter: the resume logic is the same.)"""
+  from specjax.train.dflash_eval import evaluate
+  from specjax.tune.tiny_model import tiny_target
+  target = tiny_target()
+  prompts = tmp_path / "q.jsonl"
+  prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": t[:1]}) + "\n"
+                             for i, c, t in QUESTIONS))
+  methods = {"ngram n4": ("ngram_simple", None, 4, {"size_n": 2, "size_m": 4})}
+  kw = dict(prompt_set=str(prompts), n_questions=3, temperatures=(0.0, 0.7), max_new_tokens=8, batch_size=3,
+            progress=False, repeats=2)
+  whole = evaluate(target, methods, **kw)
+  assert [(r["method"], r["temperature"]) for r in whole["rows"]] == [
+      ("plain", 0.0), ("ngram n4", 0.0), ("plain", 0.7), ("ngram n4", 0.7)]
+  assert all(r["repeat_spread"]["n"] == 2 for r in whole["rows"])
+  cut = [dict(r) for r in whole["rows"][:3]]                 # killed inside T=0.7: its plain row is not enough
+  seen = []
+  resumed = evaluate(target, methods, **kw, done_rows=cut, on_row=lambda r: seen.append(len(r["rows"])))
+  assert resumed["rows"][:2] == cut[:2] and seen == [2, 3, 4]
+  assert [(r["method"], r["temperature"], r["tokens"]) for r in resumed["rows"]] == \
+      [(r["method"], r["temperature"], r["tokens"]) for r in whole["rows"]]
+  assert resumed["rows"][2] is not cut[2]

@@ -21,15 +21,15 @@ JOURNAL_FORMAT = "specjax-bench-rows-v1"
 
 def json_ready(x):
   """Tuples -> lists, via one JSON round trip (what a value compares as once it was on disk)."""
-  return json.loads(json.dumps(x, default=str))
+  return json.loads(json.dumps(x))
 
 
-def write_json_atomic(path: str | Path, data, indent: int | None = 1) -> Path:
+def write_json_atomic(path: str | Path, data, indent: int | None = 1, default=None) -> Path:
   """Write `data` as JSON to `path` so that the file is always either the old or the new whole file."""
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp")
   with open(tmp, "w", encoding="utf-8") as f:
-    f.write(json.dumps(data, indent=indent, default=str) + "\n")
+    f.write(json.dumps(data, indent=indent, default=default) + "\n")
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
@@ -53,7 +53,7 @@ class RowJournal:
   def start(self, header: dict, rows: list[dict] = ()) -> None:
     """A fresh journal holding `header` and `rows`, replacing an earlier one at this path at once
     (a resumed run rewrites its journal so that no torn line is left before the rows it appends)."""
-    text = "".join(json.dumps(r, default=str) + "\n" for r in [{"format": JOURNAL_FORMAT, **header}, *rows])
+    text = "".join(json.dumps(r) + "\n" for r in [{"format": JOURNAL_FORMAT, **header}, *rows])
     tmp = self.path.with_name(f".{self.path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
       f.write(text)
@@ -82,7 +82,7 @@ class RowJournal:
     """Rows completed together (one generation call): one write, flushed to the disk."""
     if not rows:
       return
-    text = "".join(json.dumps(r, default=str) + "\n" for r in rows)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
     with open(self.path, "a", encoding="utf-8") as f:
       f.write(text)
       f.flush()

@@ -203,6 +203,42 @@ def cmd_dflash(args) -> int:
   return 0
 
 
+_EVAL_DFLASH_ARGS = ("config", "dtype", "head", "prompts", "n_questions", "n_max", "tree", "tree_depth", "tree_top_k",
+                     "temperatures", "max_new_tokens", "batch_size", "repeats", "mtp_head", "eagle3_head", "eagle3_tree")
+
+
+def _eval_dflash_resume(path, out: dict, keys=("args", "environment", "files")) -> dict:
+  """{prompt set: its result} of an interrupted `eval-dflash` into `path`, after checking that it
+  ran the same arguments in the same environment on the same files, as far as `out` says them
+  (`keys`; else a one-line UserError)."""
+  from pathlib import Path
+
+  from specjax.bench import env
+  from specjax.errors import UserError
+  path = Path(path)
+  if not path.exists():
+    return {}
+  try:
+    prev = json.loads(path.read_text())
+  except ValueError as e:
+    raise UserError(f"--resume: {path} is not a JSON file ({e}); run without --resume to start over") from None
+  checks = {"args": lambda: ("arguments", prev.get("args"), out["args"]),
+            "environment": lambda: ("environment", env.comparable(prev.get("environment", {}), prev.get("device", {})),
+                                    env.comparable(out["environment"], out["device"])),
+            "files": lambda: ("files", _digests(prev.get("files", {})), _digests(out["files"]))}
+  for what, before, now in (checks[k]() for k in keys):
+    diff = env.resume_mismatch({what: before}, {what: json.loads(json.dumps(now))})
+    if diff:
+      raise UserError(f"--resume: {path} was written with other {what} ({diff}); run without --resume to start over")
+  return {r["prompt_set"]: r for r in prev.get("results", [])}
+
+
+def _digests(files):
+  if isinstance(files, dict):
+    return {k: _digests(v) for k, v in files.items()}
+  return [f["sha256"] for f in files or []]
+
+
 def cmd_eval_dflash(args) -> int:
   from pathlib import Path
 
@@ -210,12 +246,18 @@ def cmd_eval_dflash(args) -> int:
 
   import dataclasses
 
-  from specjax.bench.env import device_info, git_revision
+  from specjax.bench import env
+  from specjax.bench.journal import write_json_atomic
   from specjax.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
   from specjax.train.dflash import load_spec
   from specjax.train.dflash_eval import evaluate, first_turns, format_eval, plot_eval
   spec = load_spec(args.config, dtype=args.dtype)
+  out = {"config": args.config, "spec": dataclasses.asdict(spec), "target": spec.target, "dtype": spec.dtype,
+         "args": {k: getattr(args, k) for k in _EVAL_DFLASH_ARGS}, "results": [], "git_revision": env.git_revision(),
+         "device": env.device_info(), "environment": env.environment()}
+  if args.resume:                        # arguments and environment before the model loads, files after
+    _eval_dflash_resume(args.out, out, keys=("args", "environment"))
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   head = args.head or spec.export
   methods = {f"dflash n{n}": ("dflash", head, int(n), {}) for n in args.n_max.split(",") if n}
@@ -231,18 +273,25 @@ def cmd_eval_dflash(args) -> int:
   sets = [(name, int(n) if n else args.n_questions) for name, _, n in (x.partition(":") for x in args.prompts.split(","))]
   widest = max(len(p) for name, n in sets for p in first_turns(target, name, n)[1])
   cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + max(m[2] for m in methods.values()) + 2, 64)
-  out = {"config": args.config, "spec": dataclasses.asdict(spec), "target": spec.target, "dtype": spec.dtype,
-         "results": [], "git_revision": git_revision(), "device": device_info()}
+  out["files"] = {"target": env.model_files(target.source),
+                  "heads": {label: env.head_files(m[1]) for label, m in methods.items()}}
+  earlier = _eval_dflash_resume(args.out, out) if args.resume else {}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   def save(partial=None):   # after each method's row: a run cut short keeps what it finished
     done = out["results"] + ([partial] if partial else [])
-    Path(args.out).write_text(json.dumps({**out, "results": done}, indent=1, default=str) + "\n")
+    write_json_atomic(args.out, {**out, "results": done}, default=str)
 
+  temps = tuple(float(x) for x in args.temperatures.split(","))
   for name, n in sets:
-    out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=n,
-                                   temperatures=tuple(float(x) for x in args.temperatures.split(",")),
-                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
-                                   progress=not args.quiet, on_row=save, repeats=args.repeats))
+    prev = earlier.get(name)
+    if prev is not None and {(r["method"], r["temperature"]) for r in prev["rows"]} >= {
+        (label, t) for label in ["plain", *methods] for t in temps}:
+      out["results"].append(prev)        # complete in the interrupted run
+    else:
+      out["results"].append(evaluate(target, methods, prompt_set=name, n_questions=n, temperatures=temps,
+                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, capacity=cap,
+                                     progress=not args.quiet, on_row=save, repeats=args.repeats,
+                                     done_rows=None if prev is None else prev["rows"]))
     save()
     plot_eval(out["results"], Path(args.out).with_suffix(".png"),
               title=f"DFlash on {spec.target} ({out['device']['device_kind']})")
@@ -283,4 +332,6 @@ def add_dflash_commands(tsub, common) -> None:
   e.add_argument("--eagle3-head", default=None, help="also run this EAGLE-3 head (chain, n_max 5) side by side")
   e.add_argument("--eagle3-tree", default="", help="and EAGLE-2 trees of these node budgets over it (e.g. 32)")
   e.add_argument("--out", required=True, help="result JSON (and a PNG next to it)")
+  e.add_argument("--resume", action="store_true",
+                 help="continue an interrupted evaluation in --out: temperatures it completed are kept")
   e.set_defaults(func=cmd_eval_dflash)

@@ -3,9 +3,11 @@
 sampled, every method in the same process on the same batches.
 
 Every configuration first runs untimed once per batch shape (batch size and padded prompt width:
-compilation), then timed on every batch; greedy runs
-also report the share of sequences equal to plain decoding's (1.0 = lossless in practice; bf16
-verification of K+1 tokens may round a near-tie differently from one-token decoding).
+compilation), then timed on every batch (the fastest of `repeats` runs counts; every row also gives
+the spread over repeats); greedy runs also report the share of sequences equal to plain decoding's
+(1.0 = lossless in practice; bf16 verification of K+1 tokens may round a near-tie differently from
+one-token decoding). A resumed evaluation keeps every temperature whose rows (plain and every
+method) an interrupted run completed, and runs the others.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ def first_turns(target, prompt_set: str, n_questions: int) -> tuple[list, list[l
 
 def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions: int = 16,
              temperatures=(0.0, 0.7), max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-             capacity: int | None = None, progress: bool = True, on_row=None, repeats: int = 1) -> dict:
+             capacity: int | None = None, progress: bool = True, on_row=None, repeats: int = 1,
+             done_rows: list[dict] | None = None) -> dict:
   """methods: {label: (speculator name, head path, n_max, options)}, each made by the registry.
   `capacity`: KV slots (default: enough for these prompts); one capacity for several prompt sets
   lets their runs share compiled decode loops. `on_row(result so far)` is called after each row
   (a caller can save partial results of a long run). `repeats`: each batch is timed that many
-  times and its fastest run counts (short batch-1 runs on a GPU vary by several percent)."""
+  times and its fastest run counts (short batch-1 runs on a GPU vary by several percent).
+  `done_rows`: the rows of an interrupted evaluation of these questions: a temperature they
+  complete (plain and every method) is kept as it is and not run again."""
+  from specjax.bench.harness import repeat_spread
   from specjax.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
@@ -57,15 +63,18 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
         fn(chunk)
         warmed.add(shape)
     outs, secs = [], 0.0
+    by_repeat = [0.0] * max(1, repeats)
     for chunk in batches:          # the fastest of `repeats` runs of each batch (same tokens each time)
       best = float("inf")
-      for _ in range(max(1, repeats)):
+      for k in range(max(1, repeats)):
         t0 = time.perf_counter()
         r = fn(chunk)
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        by_repeat[k] += dt
       secs += best
       outs.append(r)
-    return outs, secs
+    return outs, secs, by_repeat
 
   drafters = {label: (make_speculator(name, target, head=head, draft_params=DraftParams(n_max=n_max),
                                       options={name: dict(opts or {})}), n_max)
@@ -76,21 +85,31 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
             "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()},
             "repeats": max(1, repeats), "rows": rows}
   for temp in temperatures:
-    plain, plain_s = timed(lambda c: generate_plain(params, cfg, c, max_new_tokens=max_new_tokens,
-                                                    sampling=sampling(len(c), temp), stop_ids=stop, capacity=cap), "plain")
+    kept = [r for r in done_rows or [] if r.get("temperature") == temp]
+    if {"plain", *methods} <= {r["method"] for r in kept}:
+      rows.extend(next(r for r in kept if r["method"] == label) for label in ["plain", *methods])
+      if on_row:
+        on_row(result)
+      if progress:
+        print(f"[eval {prompt_set} T={temp}] kept from the interrupted run", flush=True)
+      continue
+    plain, plain_s, plain_reps = timed(
+        lambda c: generate_plain(params, cfg, c, max_new_tokens=max_new_tokens, sampling=sampling(len(c), temp),
+                                 stop_ids=stop, capacity=cap), "plain")
     plain_tokens = [t for r in plain for t in r.tokens]
     n_plain = sum(len(t) for t in plain_tokens)
     rows.append({"method": "plain", "temperature": temp, "tokens": n_plain, "seconds": plain_s,
-                 "tokens_per_s": n_plain / plain_s, "speedup": 1.0, "tau": 1.0})
+                 "tokens_per_s": n_plain / plain_s, "speedup": 1.0, "tau": 1.0,
+                 "repeat_spread": repeat_spread(n_plain, plain_reps)})
     if on_row:
       on_row(result)
     if progress:
       print(f"[eval {prompt_set} T={temp}] plain: {n_plain / plain_s:.1f} tok/s", flush=True)
     for label, (drafter, n_max) in drafters.items():
       dp = DraftParams(n_max=n_max)
-      outs, secs = timed(lambda c: speculative_generate(params, cfg, c, drafter, max_new_tokens=max_new_tokens,
-                                                        sampling=sampling(len(c), temp), draft_params=dp,
-                                                        stop_ids=stop, capacity=cap), label)
+      outs, secs, reps = timed(lambda c: speculative_generate(params, cfg, c, drafter, max_new_tokens=max_new_tokens,
+                                                              sampling=sampling(len(c), temp), draft_params=dp,
+                                                              stop_ids=stop, capacity=cap), label)
       toks = [t for r in outs for t in r.tokens]
       rounds = sum(r.stats.rounds for r in outs)
       emitted = sum(r.stats.emitted for r in outs)
@@ -100,7 +119,8 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
       row = {"method": label, "temperature": temp, "n_max": n_max, "tau": emitted / max(rounds, 1),
              "rounds": rounds, "tokens": n_tok, "seconds": secs,
              "acceptance_by_pos": (accepted / np.maximum(drafted, 1)).round(4).tolist(),
-             "tokens_per_s": n_tok / secs, "speedup": (n_tok / secs) / (n_plain / plain_s)}
+             "tokens_per_s": n_tok / secs, "speedup": (n_tok / secs) / (n_plain / plain_s),
+             "repeat_spread": repeat_spread(n_tok, reps)}
       if temp == 0:
         row["equal_to_plain"] = sum(a == p for a, p in zip(toks, plain_tokens)) / len(toks)
       rows.append(row)
