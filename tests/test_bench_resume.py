@@ -79,9 +79,8 @@ def test_killed_bench_resumes_to_the_uninterrupted_result(setup):
   journaled = {(r["method"], r["question_id"], r["turn"]) for r in map(json.loads, lines)}
   kept = len(journaled)
   assert 2 * len(QUESTIONS) < kept < n_rows
-  partial = json.loads(result.read_text())               # written atomically: always whole, at most a call behind
-  assert partial["complete"] is False and set(_rows(partial)) <= journaled
-  assert len(partial["prompts"]["plain"]) == 2 * len(QUESTIONS)
+  partial = json.loads(result.read_text())               # written atomically: always whole, behind the journal
+  assert partial["complete"] is False and partial["prompts"]["plain"] and set(_rows(partial)) <= journaled
 
   # 2. resume it; 3. run it again uninterrupted
   resumed = subprocess.run(_bench(config, out, env, "--resume"), cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,8 +1,8 @@
 """Nothing lost: the rows of a run are on disk as soon as they complete.
 
 A bench run keeps two files side by side. `<stem>.json` is the result (summary and rows, no tokens),
-rewritten atomically (a temporary file, then `os.replace`) after every generation call, so a reader
-or a kill never sees half a file. `<stem>.rows.jsonl` is the journal: a header line (the config and
+rewritten atomically (a temporary file, then `os.replace`) as rows complete, so a reader or a kill
+never sees half a file. `<stem>.rows.jsonl` is the journal: a header line (the config and
 the provenance of the run), then one line per completed row with its generated tokens, appended in
 one write and fsynced per call. A run killed at any point keeps every row of its journal (a torn
 last line is dropped); `--resume` reads them back, checks that the config and the environment are
