@@ -197,6 +197,11 @@ def test_outputs_are_valid(halving_run):
   assert [q.question_id for q in held] == report["holdout_questions"]
   data = json.loads(paths["trials"].read_text())
   assert data["best"] == report["best"] and len(data["trials"]) == len(report["trials"])
+  held_out = json.loads(paths["holdout"].read_text())
+  for result in (data, held_out):                                                   # provenance of both files
+    assert set(result["environment"]) == {"xla_flags", "specjax_env", "versions", "cuda"}
+    assert result["files"] == {"target": []}                                        # the random model has none
+  assert all(s["overall"]["repeat_spread"]["n"] == 1 for s in held_out["summary"].values())
   assert json.loads(paths["holdout"].read_text())["summary"].keys() == report["holdout"]["summary"].keys()
   assert paths["trials_png"].stat().st_size > 10_000 and paths["holdout_png"].stat().st_size > 10_000
   md = paths["trials_md"].read_text()

@@ -166,8 +166,8 @@ def head_files(head: str | Path | None) -> list[dict]:
   if path.is_dir():
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
   else:
-    weights, config = (path, path.with_suffix(".json")) if path.suffix != ".json" else (path.with_suffix(".safetensors"), path)
-    files = [p for p in (weights, config) if p.is_file()]
+    weights = path.with_suffix(".safetensors") if path.suffix == ".json" else path
+    files = [p for p in (weights, weights.with_suffix(".json")) if p.is_file()]
     if weights.is_file():
       files += [weights.with_name(n) for n in _shards(weights) if weights.with_name(n).is_file()]
   return [_record(p) for p in files]

@@ -203,8 +203,9 @@ def cmd_dflash(args) -> int:
   return 0
 
 
-_EVAL_DFLASH_ARGS = ("config", "dtype", "head", "prompts", "n_questions", "n_max", "tree", "tree_depth", "tree_top_k",
-                     "temperatures", "max_new_tokens", "batch_size", "repeats", "mtp_head", "eagle3_head", "eagle3_tree")
+_EVAL_DFLASH_ARGS = ("config", "dtype", "head", "prompts", "n_questions", "n_max", "tree", "tree_depth",
+                     "tree_top_k", "temperatures", "max_new_tokens", "batch_size", "repeats", "mtp_head",
+                     "eagle3_head", "eagle3_tree")
 
 
 def _eval_dflash_resume(path, out: dict, keys=("args", "environment", "files")) -> dict:

@@ -58,9 +58,9 @@ questions, `holdout_prompts.jsonl`), `trials.json`, `trials.md`, `trials.png`, `
 
 The package, one concept a module: `config` (the tune config and its validation), `space` (candidate
 methods drawn from the space), `questions` (the tune / held-out split), `trial` (measuring one
-method with the harness's runner), `search` (`run_tune`), `report` (the trials table and figure), `outputs` (the files of a
-run), `tiny_model` (a tiny random model for notebooks and tests). Everything public is importable
-from `specjax.tune`.
+method with the harness's runner), `search` (`run_tune`), `report` (the trials table and figure),
+`outputs` (the files of a run), `tiny_model` (a tiny random model for notebooks and tests; a bench
+or tune config runs it as `target: tiny-random`). Everything public is importable from `specjax.tune`.
 """
 
 from specjax.bench.config import ConfigError, DraftParamsConfig, MethodConfig
