@@ -187,8 +187,9 @@ def _check_method(i: int, m: MethodConfig, seen: set) -> None:
   head = m.head if m.head and Path(m.head).exists() else None
   try:
     check_speculator(m.speculator, m.options, head=head, draft_model=m.draft_model)
-  except UserError as e:
-    key = "options" if "option" in str(e) else ("head" if "head" in str(e) else "speculator")
+  except UserError as e:                 # named by the key the registry's message is about
+    key = next((k for word, k in (("draft_model", "draft_model"), ("head", "head"), ("option", "options"))
+                if word in str(e)), "speculator")
     raise ConfigError(f"{where}.{key} ({m.name}): {e}") from None
 
 
