@@ -264,11 +264,12 @@ def _largest_new_file(folder: Path, old: set[Path], skip: Path) -> int:
   """Size of the largest file under `folder` that is not in `old` nor `skip`: the wheel pip is
   writing (in its temporary folder, then in `folder`; the largest, not the sum, while it is in both)."""
   largest = 0
-  for p in folder.rglob("*"):
-    if p in old or p == skip:
-      continue
-    with contextlib.suppress(OSError):
-      if p.is_file():
+  for root, _, files in os.walk(folder):       # os.walk skips folders pip removes while we look
+    for name in files:
+      p = Path(root) / name
+      if p in old or p == skip:
+        continue
+      with contextlib.suppress(OSError):
         largest = max(largest, p.stat().st_size)
   return largest
 
