@@ -21,6 +21,8 @@ demo: setup
 	$(BIN)/specjax fetch smollm2-135m-instruct
 	$(BIN)/specjax generate --chat --warmup --spec ngram_simple,suffix --max-new-tokens 256 "$(PROMPT)"
 
+# Tests run in 2 processes (pytest-xdist; a file stays in one process, so its module fixtures are
+# built once): compilation is single-threaded, so two files compile at once on a 2-core machine.
 test: setup-test
 	$(BIN)/specjax fetch smollm2-135m-instruct mt_bench humaneval sharegpt
-	SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} $(BIN)/python -m pytest -q --durations=15 tests
+	SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} $(BIN)/python -m pytest -q -n $${SPECJAX_TEST_WORKERS:-2} --dist loadfile --durations=15 tests
