@@ -438,12 +438,10 @@ def head_paths(path: str | Path) -> tuple[Path, Path]:
   return file_paths(path, "eagle3_head")
 
 
-def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", extra: dict | None = None):
-  """Write the head as `dtype` safetensors plus `d2t` in EAGLE-3's offset form (target id - draft
-  id, int64) and `t2d` (bool [V]); and a JSON config (target config, head shape, `extra`)."""
-  from safetensors.numpy import save_file
-  wpath, cpath = head_paths(path)
-  wpath.parent.mkdir(parents=True, exist_ok=True)
+def head_tensors(hp, d2t, hc: Eagle3Config, dtype="bfloat16") -> dict:
+  """The file tensors of a head: its weights as `dtype` under EAGLE-3's names ([out, in], fused
+  projections split), `d2t` in EAGLE-3's offset form (target id - draft id, int64) and `t2d`
+  (bool [V])."""
   lay = hc.layer
   sizes = {"qkv_proj": (lay.n_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim),
            "gate_up_proj": (hc.ffn_dim, hc.ffn_dim)}
@@ -452,6 +450,16 @@ def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", 
   d2t = np.asarray(d2t, np.int64)
   flat["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
   flat["t2d"] = np.asarray(t2d_mask(d2t, hc.target.vocab_size))
+  return flat
+
+
+def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", extra: dict | None = None):
+  """Write the head (`head_tensors`) as safetensors and a JSON config (target config, head shape,
+  `extra`)."""
+  from safetensors.numpy import save_file
+  wpath, cpath = head_paths(path)
+  wpath.parent.mkdir(parents=True, exist_ok=True)
+  flat = head_tensors(hp, d2t, hc, dtype)
   meta = {"format": FORMAT, "dtype": str(jnp.dtype(dtype)), "draft_vocab": hc.draft_vocab, "ffn_dim": hc.ffn_dim,
           "tap_layers": list(hc.tap_layers), "target_config": dataclasses.asdict(hc.target), **(extra or {})}
   save_file(flat, str(wpath), metadata={"format": FORMAT})

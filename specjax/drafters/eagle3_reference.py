@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.head_file import fill_from_tensors, tensors_from
+from specjax.drafters.head_file import fill_from_tensors
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 
@@ -50,18 +50,11 @@ def export_reference(folder, hp, d2t, hc, *, dtype="bfloat16") -> Path:
   reference layout. -> the folder."""
   from safetensors.numpy import save_file
 
-  from specjax.drafters.eagle3 import _file_names, t2d_mask
+  from specjax.drafters.eagle3 import head_tensors
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  lay, t = hc.layer, hc.target
-  sizes = {"qkv_proj": (lay.n_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim),
-           "gate_up_proj": (hc.ffn_dim, hc.ffn_dim)}
-  pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-  flat = tensors_from(pure, _file_names, sizes, dtype=dtype)
-  d2t = np.asarray(d2t, np.int64)
-  flat["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
-  flat["t2d"] = np.asarray(t2d_mask(d2t, t.vocab_size))
-  save_file(flat, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  t = hc.target
+  save_file(head_tensors(hp, d2t, hc, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
   config = {
       "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": t.d_model,
       "intermediate_size": hc.ffn_dim, "num_attention_heads": t.n_heads, "num_key_value_heads": t.n_kv_heads,
