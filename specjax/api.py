@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from specjax import request
 from specjax.decode import generate_plain
 from specjax.drafters.base import DraftParams
-from specjax.drafters.registry import check_speculator, make_speculator
+from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
 from specjax.errors import UserError
 from specjax.models.load import LoadedModel, load_model
@@ -99,8 +99,6 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
     request.check_draft_params(dataclasses.asdict(draft_params), b)
   if speculator is None and (draft_model is not None or head is not None or adaptive or options):
     raise UserError("draft_model, head, options and adaptive apply to speculative generation: give a speculator")
-  if isinstance(speculator, str):
-    check_speculator(speculator, options, head=head, draft_model=draft_model)
   tokens = encode_prompts(target, prompts, chat, parse_special)
   request.check_tokens(tokens, target.cfg.vocab_size)
   request.check_context(tokens, max_new_tokens, getattr(target, "context_length", None))

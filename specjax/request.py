@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from specjax.errors import UserError
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 DRAFT_FIELDS = ("n_max", "n_min", "p_min")
 ROLLBACKS = ("per_step", "redecode")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,20 +54,22 @@ def _in_range(name: str, values: list, ok, allowed: str) -> None:
     raise UserError(f"{name} must be {allowed}, got {bad[0]!r}")
 
 
+def _per_prompt_fields(what: str, given, kinds: dict, n_prompts: int, alternative: str) -> dict:
+  """The fields of a dict of per-prompt values (`kinds`: name -> int or float), each as a list of
+  n_prompts checked values; None values are left out."""
+  if not isinstance(given, dict):
+    raise UserError(f"{what} must be a dict of {', '.join(kinds)} or a {alternative}, "
+                    f"got {type(given).__name__} {given!r}")
+  unknown = sorted(set(given) - set(kinds))
+  if unknown:
+    raise UserError(f"{what}: unknown field(s) {unknown}; allowed: {', '.join(kinds)}")
+  return {name: per_prompt(name, v, n_prompts, kinds[name]) for name, v in given.items() if v is not None}
+
+
 def check_sampling(sampling: dict, n_prompts: int) -> dict:
   """Per-prompt sampling fields (temperature, top_k, top_p, seed) of a dict, checked; -> lists."""
-  if not isinstance(sampling, dict):
-    raise UserError(f"sampling must be a dict of {', '.join(SAMPLING_FIELDS)} or a SamplingParams, "
-                    f"got {type(sampling).__name__} {sampling!r}")
-  unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
-  if unknown:
-    raise UserError(f"sampling: unknown field(s) {unknown}; allowed: {', '.join(SAMPLING_FIELDS)}")
-  out = {}
-  kinds = {"temperature": float, "top_k": int, "top_p": float, "seed": int}
-  for name, value in sampling.items():
-    if value is None:
-      continue
-    out[name] = per_prompt(name, value, n_prompts, kinds[name])
+  out = _per_prompt_fields("sampling", sampling, {"temperature": float, "top_k": int, "top_p": float, "seed": int},
+                           n_prompts, "SamplingParams")
   _in_range("temperature", out.get("temperature", []), lambda v: v >= 0, ">= 0 (0 = greedy)")
   _in_range("top_k", out.get("top_k", []), lambda v: v >= 0, ">= 0 (0 = off)")
   _in_range("top_p", out.get("top_p", []), lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
@@ -78,14 +79,8 @@ def check_sampling(sampling: dict, n_prompts: int) -> dict:
 
 def check_draft_params(draft: dict, n_prompts: int) -> dict:
   """Per-prompt draft fields (n_max, n_min, p_min) of a dict, checked; -> lists."""
-  if not isinstance(draft, dict):
-    raise UserError(f"draft_params must be a dict of {', '.join(DRAFT_FIELDS)} or a DraftParams, "
-                    f"got {type(draft).__name__} {draft!r}")
-  unknown = sorted(set(draft) - set(DRAFT_FIELDS))
-  if unknown:
-    raise UserError(f"draft_params: unknown field(s) {unknown}; allowed: {', '.join(DRAFT_FIELDS)}")
-  kinds = {"n_max": int, "n_min": int, "p_min": float}
-  out = {name: per_prompt(name, v, n_prompts, kinds[name]) for name, v in draft.items() if v is not None}
+  out = _per_prompt_fields("draft_params", draft, {"n_max": int, "n_min": int, "p_min": float}, n_prompts,
+                           "DraftParams")
   _in_range("n_max", out.get("n_max", []), lambda v: v >= 0, ">= 0 (0 = no drafting)")
   _in_range("n_min", out.get("n_min", []), lambda v: v >= 0, ">= 0")
   _in_range("p_min", out.get("p_min", []), lambda v: 0 <= v <= 1, "in [0, 1]")
