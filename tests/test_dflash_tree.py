@@ -138,8 +138,8 @@ def test_registry_and_limits(tiny_llama, tmp_path):
     make_speculator("dflash_tree", target, draft_params=DraftParams(n_max=8))
   # for SmolLM2 the error names the committed heads (they are in this checkout)
   smol = LoadedModel(name="smollm2-135m-instruct", cfg=None, params=None)
-  for name, asset in (("dflash_tree", "dflash_smollm2_gpu4/dflash.safetensors"),
-                      ("eagle3", "eagle3_smollm2_gpu3/eagle3_head.safetensors"), ("mtp", "mtp_smollm2_gpu2/mtp_head.safetensors")):
+  for name, asset in (("dflash_tree", "smollm2/dflash/dflash.safetensors"),
+                      ("eagle3", "smollm2/eagle3/eagle3_head.safetensors"), ("mtp", "smollm2/mtp/mtp_head.safetensors")):
     with pytest.raises(ValueError, match=f"committed: --head .*assets/{asset}$"):
       make_speculator(name, smol)
   seqs = [[3, 1, 4, 1, 5], [9, 2, 6]]

@@ -27,9 +27,9 @@ from specjax.cli import main
 from specjax.errors import UserError
 
 NO_MODEL = "/nonexistent/never-loaded.gguf"
-HEADS = {"mtp": "assets/mtp_smollm2_gpu2/mtp_head.safetensors",
-         "eagle3": "assets/eagle3_smollm2_gpu3/eagle3_head.safetensors",
-         "dflash": "assets/dflash_smollm2_gpu4/dflash.safetensors"}
+HEADS = {"mtp": "assets/smollm2/mtp/mtp_head.safetensors",
+         "eagle3": "assets/smollm2/eagle3/eagle3_head.safetensors",
+         "dflash": "assets/smollm2/dflash/dflash.safetensors"}
 
 
 def run_cli(argv, capsys, stdin: bytes | None = None, monkeypatch=None) -> tuple[int, str]:

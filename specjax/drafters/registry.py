@@ -14,11 +14,12 @@ import numpy as np
 from specjax.drafters.speculator_spec import Option, SpeculatorSpec, get, names, register_speculator
 from specjax.errors import UserError
 
-# heads trained for a target and committed under assets/ (a source checkout has them): named in the
-# error when a head speculator is asked for without --head
-COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "mtp_smollm2_gpu2/mtp_head.safetensors",
-                                             "eagle3": "eagle3_smollm2_gpu3/eagle3_head.safetensors",
-                                             "dflash": "dflash_smollm2_gpu4/dflash.safetensors"}}
+# heads trained for a target and committed under assets/<target>/<kind>/ (a source checkout has
+# them; how each was trained: its folder and experiments/README.md): named in the error when a head
+# speculator is asked for without --head
+COMMITTED_HEADS = {"smollm2-135m-instruct": {"mtp": "smollm2/mtp/mtp_head.safetensors",
+                                             "eagle3": "smollm2/eagle3/eagle3_head.safetensors",
+                                             "dflash": "smollm2/dflash/dflash.safetensors"}}
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 

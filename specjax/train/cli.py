@@ -4,7 +4,7 @@
   specjax train mtp  --config configs/mtp_smollm2.yaml                 # resumes from checkpoints
   specjax train mtp  --config configs/mtp_smollm2.yaml --dtype bfloat16 --steps 4000   # on a GPU
   specjax train eval-mtp --config configs/mtp_smollm2.yaml --n-max 1,2,3,4   # tau on MT-bench
-  specjax generate --spec mtp --head assets/mtp_smollm2_gpu2/mtp_head.safetensors --n-max 3 --chat "..."
+  specjax generate --spec mtp --head assets/smollm2/mtp/mtp_head.safetensors --n-max 3 --chat "..."
   specjax train eagle3 --config configs/eagle3_smollm2.yaml        # data (if missing) + TTT training + export
   specjax train eval-eagle3 --config configs/eagle3_smollm2.yaml --out out/eagle3_eval.json
   specjax train dflash --config configs/dflash_smollm2.yaml --data-seconds 90 --train-seconds 150
