@@ -227,8 +227,8 @@ def test_query_prefixes_identity_and_check():
     SourceConfig("alpaca", query_prefixes=("Write a",)).check()
 
 
-@pytest.mark.parametrize("mtp,eagle3", [("configs/mtp_smollm2_gpu2.yaml", "configs/eagle3_smollm2_gpu2.yaml"),
-                                        ("configs/mtp_smollm2_gpu2_smoke.yaml", "configs/eagle3_smollm2_gpu2_smoke.yaml")])
+@pytest.mark.parametrize("mtp,eagle3", [("configs/train_mtp_smollm2_gpu.yaml", "configs/train_eagle3_smollm2_gpu_step1.yaml"),
+                                        ("configs/train_mtp_smollm2_gpu_smoke.yaml", "configs/train_eagle3_smollm2_gpu_step1_smoke.yaml")])
 def test_gpu2_configs_share_one_data_build(mtp, eagle3):
   """The MTP and EAGLE-3 configs of the second GPU run load strictly and name the same datasets
   with the same settings (so `train eagle3` resumes the folders `train data` built instead of

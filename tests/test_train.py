@@ -174,12 +174,12 @@ def _event_scalars(folder, tag: str) -> list[float]:
 
 
 def test_config_and_command(tmp_path):
-  """configs/mtp_smollm2.yaml loads strictly, flags override it, and `specjax train` is wired into
+  """configs/train_mtp_smollm2.yaml loads strictly, flags override it, and `specjax train` is wired into
   the CLI (a missing config is a clean error)."""
-  spec = load_spec("configs/mtp_smollm2.yaml")
+  spec = load_spec("configs/train_mtp_smollm2.yaml")
   assert spec.target == "smollm2-135m-instruct" and spec.export.endswith(".safetensors")
   assert all(s.name != "mt_bench" for s in spec.data.sources)
-  spec = load_spec("configs/mtp_smollm2.yaml", **{"dtype": "bfloat16", "train.steps": 7, "data.dir": "x"})
+  spec = load_spec("configs/train_mtp_smollm2.yaml", **{"dtype": "bfloat16", "train.steps": 7, "data.dir": "x"})
   assert (spec.dtype, spec.train.steps, spec.data.dir) == ("bfloat16", 7, "x")
   bad = tmp_path / "bad.yaml"
   bad.write_text("name: x\nloss: {n_steps: 2, bogus: 1}\n")

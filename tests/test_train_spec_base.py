@@ -18,7 +18,7 @@ from specjax.train.spec import merged, read_spec_yaml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
-# the shape of configs/dflash_smollm2_gpu3_smoke.yaml, smaller
+# the shape of configs/train_dflash_smollm2_gpu_step2_smoke.yaml, smaller
 BASE_SPEC = """\
 name: base_spec
 target: smollm2-135m-instruct
@@ -129,12 +129,12 @@ def test_base_loops_and_missing_bases_are_refused(tmp_path):
 
 
 def test_gpu4b_is_gpu4_except_the_fields_it_changes():
-  """configs/dflash_smollm2_gpu4b.yaml (base: dflash_smollm2_gpu4.yaml) loads, and its spec as a
+  """configs/train_dflash_smollm2_gpu_step5.yaml (base: train_dflash_smollm2_gpu_step4.yaml) loads, and its spec as a
   dict equals gpu4's except name, out_dir, export, data_budget_s, wall_budget_s,
   drafter.init_from, train.lr and train.warmup_steps, which take the values it sets (so it trains
   on the same data lists, held-out sets and drafter shape)."""
-  gpu4 = dataclasses.asdict(dflash.load_spec(CONFIGS / "dflash_smollm2_gpu4.yaml"))
-  gpu4b = dataclasses.asdict(dflash.load_spec(CONFIGS / "dflash_smollm2_gpu4b.yaml"))
+  gpu4 = dataclasses.asdict(dflash.load_spec(CONFIGS / "train_dflash_smollm2_gpu_step4.yaml"))
+  gpu4b = dataclasses.asdict(dflash.load_spec(CONFIGS / "train_dflash_smollm2_gpu_step5.yaml"))
   changed = {"name": "dflash_smollm2_gpu4b", "out_dir": "out/dflash_gpu4b",
              "export": "out/dflash_gpu4b/export/dflash.safetensors", "data_budget_s": 0, "wall_budget_s": 470}
   changed_drafter = {"init_from": "out/dflash_gpu4/export/dflash.safetensors"}
@@ -150,18 +150,14 @@ def test_gpu4b_is_gpu4_except_the_fields_it_changes():
 
 
 def test_every_committed_training_spec_loads():
-  """Every training spec under configs/ ({mtp,eagle3,dflash}_smollm2*.yaml that are not bench
-  configs) loads with its head's load_spec: `base:` chains and YAML merge keys resolve, every field
+  """Every training spec under configs/ (train_{mtp,eagle3,dflash}_*.yaml) loads with its head's load_spec: `base:` chains and YAML merge keys resolve, every field
   is known, and no data source is an evaluation set; merge-key folders keep distinct folders."""
-  import yaml
-
   from specjax.train import eagle3, mtp
   loaders = {"mtp": mtp.load_spec, "eagle3": eagle3.load_spec, "dflash": dflash.load_spec}
   loaded = 0
-  for path in sorted(CONFIGS.glob("*.yaml")):
-    head = path.name.split("_")[0]
-    if head not in loaders or "methods" in (yaml.safe_load(path.read_text()) or {}):
-      continue
+  for path in sorted(CONFIGS.glob("train_*.yaml")):
+    head = path.name.split("_")[1]                  # train_<head>_...
+    assert head in loaders, path.name
     spec = loaders[head](path)
     for dc in (spec.data,) + tuple(spec.extra_data) + tuple(getattr(spec, "heldout_data", ())):
       for src in dc.sources:

@@ -27,7 +27,7 @@ TINY_SPACE = {
     "chains": {"members": ["ngram_simple", "suffix"], "max_len": 2, "policies": ["best", "first"]},
     "draft_params": {"n_max": [2, 4, 8], "n_min": [0, 1]},
 }
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tune_smollm2.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tune_smollm2_mt_bench.yaml"
 WORDS = ["cat", "dog", "sun", "sea", "fox", "owl", "car", "map", "hat", "cup"]
 
 
@@ -89,7 +89,7 @@ def test_config_needs_a_tune_section():
   with pytest.raises(ConfigError, match="tune"):
     tune.tune_config_from_dict({"name": "x"})
   with pytest.raises(ConfigError, match="tune"):
-    tune.load_tune_config(CONFIG.parent / "smoke_smollm2.yaml")        # a bench config is no tune config
+    tune.load_tune_config(CONFIG.parent / "bench_smoke_smollm2.yaml")        # a bench config is no tune config
 
 
 def test_candidates_are_seeded_distinct_and_capped():

@@ -259,8 +259,9 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def load_config(path: str | Path, **overrides) -> ExperimentConfig:
+  from specjax.io.yaml_config import load_config as load_yaml_config
   path = Path(path)
-  data = read_yaml(path)
+  data = load_yaml_config(path)                 # `base:` chains merged in
   if isinstance(data, dict):
     data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
   return config_from_dict(data, where=path.name)

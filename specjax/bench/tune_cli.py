@@ -1,7 +1,7 @@
 """`specjax tune`: search speculator, chain and draft parameters for the highest tokens/s.
 
-  specjax tune --config configs/tune_smollm2.yaml
-  specjax tune --config configs/tune_smollm2.yaml --seconds 600 --out experiments/results/tune_smollm2
+  specjax tune --config configs/tune_smollm2_mt_bench.yaml
+  specjax tune --config configs/tune_smollm2_mt_bench.yaml --seconds 600 --out experiments/results/tune_smollm2
 
 Writes into --out (default experiments/results/<name>): best.yaml (a `specjax bench` config: plain
 vs default vs tuned on the held-out questions), trials.json / trials.md / trials.png, holdout.json /

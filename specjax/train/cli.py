@@ -1,14 +1,14 @@
 """`specjax train ...`: build self-distillation data and train drafter heads from one YAML config.
 
-  specjax train data --config configs/mtp_smollm2.yaml                 # resumable; progress bar
-  specjax train mtp  --config configs/mtp_smollm2.yaml                 # resumes from checkpoints
-  specjax train mtp  --config configs/mtp_smollm2.yaml --dtype bfloat16 --steps 4000   # on a GPU
-  specjax train eval-mtp --config configs/mtp_smollm2.yaml --n-max 1,2,3,4   # tau on MT-bench
+  specjax train data --config configs/train_mtp_smollm2.yaml                 # resumable; progress bar
+  specjax train mtp  --config configs/train_mtp_smollm2.yaml                 # resumes from checkpoints
+  specjax train mtp  --config configs/train_mtp_smollm2.yaml --dtype bfloat16 --steps 4000   # on a GPU
+  specjax train eval-mtp --config configs/train_mtp_smollm2.yaml --n-max 1,2,3,4   # tau on MT-bench
   specjax generate --spec mtp --head assets/smollm2/mtp/mtp_head.safetensors --n-max 3 --chat "..."
-  specjax train eagle3 --config configs/eagle3_smollm2.yaml        # data (if missing) + TTT training + export
-  specjax train eval-eagle3 --config configs/eagle3_smollm2.yaml --out out/eagle3_eval.json
-  specjax train dflash --config configs/dflash_smollm2.yaml --data-seconds 90 --train-seconds 150
-  specjax train eval-dflash --config configs/dflash_smollm2.yaml --out out/dflash_eval.json
+  specjax train eagle3 --config configs/train_eagle3_smollm2.yaml        # data (if missing) + TTT training + export
+  specjax train eval-eagle3 --config configs/train_eagle3_smollm2.yaml --out out/eagle3_eval.json
+  specjax train dflash --config configs/train_dflash_smollm2.yaml --data-seconds 90 --train-seconds 150
+  specjax train eval-dflash --config configs/train_dflash_smollm2.yaml --out out/dflash_eval.json
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def add_train_commands(subparsers) -> None:
   tsub = t.add_subparsers(dest="train_cmd", required=True)
 
   def common(p):
-    p.add_argument("--config", required=True, help="YAML config (e.g. configs/mtp_smollm2.yaml)")
+    p.add_argument("--config", required=True, help="YAML config (e.g. configs/train_mtp_smollm2.yaml)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="target / compute dtype (default: the config's; bfloat16 on GPU)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the config's data.dir)")

@@ -2,40 +2,17 @@
 dataclass, then command-line overrides applied by dotted key ({"train.steps": 10, "dtype": ...};
 None keeps the file's value). Each head's `load_spec` adds its own checks.
 
-A spec may name a `base:` spec (a path relative to its own folder) that it changes: its mapping is
-merged over the base's, key by key into nested mappings (lists and other values replace the base's),
-so a second training round is a few lines, not a copy of the data lists."""
+A spec may name a `base:` spec (a path relative to its own folder) that it changes
+(`specjax.io.yaml_config`): its mapping is merged over the base's, key by key into nested mappings
+(lists and other values replace the base's), so a second training round is a few lines, not a copy
+of the data lists."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-
-def merged(base: dict, over: dict) -> dict:
-  """`over` merged into `base`: nested mappings key by key, anything else replaced."""
-  out = dict(base)
-  for k, v in over.items():
-    out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-  return out
-
-
-def read_spec_yaml(path: Path, _seen: tuple = ()) -> dict:
-  """The mapping of a spec file, its `base:` chain merged in (cycles refused)."""
-  import yaml
-
-  from specjax.bench.config import ConfigError
-  data = yaml.safe_load(path.read_text())
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path}: expected a mapping")
-  if "base" not in data:
-    return data
-  base = (path.parent / str(data.pop("base"))).resolve()
-  if base in _seen or base == path.resolve():
-    raise ConfigError(f"{path.name}: `base:` chain loops back to {base.name}")
-  if not base.exists():
-    raise ConfigError(f"{path.name}: base spec {base} does not exist")
-  return merged(read_spec_yaml(base, _seen + (path.resolve(),)), data)
+from specjax.io.yaml_config import load_config as read_spec_yaml, merged  # noqa: F401  (the `base:` reader)
 
 
 def load_train_spec(cls, path: str | Path, overrides: dict):

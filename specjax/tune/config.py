@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.bench.config import (ConfigError, ExperimentConfig, MethodConfig, _build, config_from_dict, read_yaml,
+from specjax.bench.config import (ConfigError, ExperimentConfig, MethodConfig, _build, config_from_dict,
                                   to_dict)
 from specjax.drafters import speculator_spec
 
@@ -205,8 +205,9 @@ _TUNE_OVERRIDES = ("seed", "strategy", "metric")
 def load_tune_config(path: str | Path, **overrides) -> TuneConfig:
   """Read a tune config; overrides (None = keep): experiment keys (limit, dtype, max_new_tokens, ...),
   seed / strategy / metric, and trials / seconds (the budget)."""
+  from specjax.io.yaml_config import load_config as load_yaml_config
   path = Path(path)
-  data = read_yaml(path)
+  data = load_yaml_config(path)                 # `base:` chains merged in
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: expected a mapping")
   if "tune" not in data:
