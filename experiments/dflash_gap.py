@@ -14,7 +14,9 @@ On the CPU in float32 with the real SmolLM2 weights: for each prompt set, the ta
 Sets: MT-bench first turns, HumanEval 1-N (held out of the first drafter's training) and 17.. (trained
 on), GSM8K prompts of the first drafter's training stream and past it, Alpaca (trained on).
 
-  python experiments/dflash_gap.py --head assets/dflash_smollm2 --out experiments/results/dflash_gap_cpu.json
+  python experiments/dflash_gap.py --head assets/smollm2/dflash --out experiments/results/dflash_gap_cpu.json
+(results/dflash_gap_cpu.json came from assets/dflash_smollm2: head removed from the tree; it is in
+revision 7b949ed)
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def run_set(target, drafter, name: str, n: int, new: int, n_max: int, engine: bo
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--head", default="assets/dflash_smollm2")
+  ap.add_argument("--head", default="assets/smollm2/dflash", help="folder holding dflash.safetensors")
   ap.add_argument("--n", type=int, default=8, help="prompts per set")
   ap.add_argument("--new", type=int, default=160, help="answer tokens at most")
   ap.add_argument("--n-max", type=int, default=15)

@@ -4,8 +4,8 @@ does (tau_est and top-1 accuracy per block slot at uniformly drawn anchors of th
 greedy answers: `specjax.train.dflash.score_blocks`) and runs the engine's greedy `dflash` on the
 same prompts (tau, acceptance by position). The answers are only scored, never trained on.
 
-  python experiments/dflash_scores_vs_engine.py --head assets/dflash_smollm2_gpu3/dflash.safetensors \
-      --prompt-set mt_bench --n 16 --out experiments/results/dflash_scores_vs_engine_cpu.json
+  python experiments/dflash_scores_vs_engine.py --head assets/smollm2/dflash/dflash.safetensors \
+      --prompt-set mt_bench --n 16 --out experiments/results/dflash_scores_vs_engine_gpu4_cpu.json
 """
 
 from __future__ import annotations

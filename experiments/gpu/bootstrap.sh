@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU machine's setup, shared by every script in experiments/gpu/ (sourced), or run alone
+# before a command:  bash experiments/gpu/bootstrap.sh CMD ARGS...
+# The lent GPU machine has no network, so what a run needs travels with the checkout:
+#   - wheels ($WHEELS/*.whl) are installed once into $SITE (no index, no dependencies);
+#   - prompt / data files ($DATA_CARRY/*.jsonl) are copied into $SPECJAX_DATA;
+#   - weight chunks ($CHUNKS, made here with `split -b 47M -d MODEL.gguf .weights/MODEL.part`) are
+#     gathered into $WORK/chunks over one or more calls; once they join into a file whose sha256
+#     matches, `specjax fetch $MODEL --from-file` installs it into $SPECJAX_HOME;
+#   - files an earlier machine returned ($CARRY_PERSIST/, e.g. a data tar or a head) seed $PERSIST;
+#     a file that travelled in pieces (`split -b 10M -d F F.part; stat -c %s F > F.size`) is joined
+#     once the pieces' sizes add up.
+# Environment (defaults in brackets): WORK [$HOME/specjax-gpu], SPECJAX_HOME [$WORK/home],
+# SPECJAX_DATA [$WORK/data], SITE [$WORK/site], PERSIST [$WORK/persist], WHEELS [.whl],
+# DATA_CARRY [.data], CHUNKS [.weights/*.part*], MODEL [smollm2-135m-instruct],
+# CARRY_PERSIST [.gpucarry/persist], OUT (required: the folder whose files come back).
+# SMOKE=1: a CPU-sized run on this machine (nothing installed; WORK defaults to out/smoke).
+# Defines: device_kind, bars (progress bars filtered), timed_run TAG SECONDS CMD..., spec_fields.
+# Example:  OUT=/tmp/o bash experiments/gpu/bootstrap.sh python experiments/bench_decode.py --batch 1 8 --out /tmp/o/decode.json
+set -e
+cd "$(git rev-parse --show-toplevel 2>/dev/null || dirname "${BASH_SOURCE[0]}")"
+if [ "${SMOKE:-0}" = 1 ]; then WORK=${WORK:-$PWD/out/smoke}; else WORK=${WORK:-$HOME/specjax-gpu}; fi
+export SPECJAX_HOME=${SPECJAX_HOME:-$WORK/home} SPECJAX_DATA=${SPECJAX_DATA:-$WORK/data}
+SITE=${SITE:-$WORK/site}; PERSIST=${PERSIST:-$WORK/persist}; MODEL=${MODEL:-smollm2-135m-instruct}
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+export SPECJAX_GIT_REV=${SPECJAX_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+: "${OUT:?set OUT to the folder whose files come back}"
+mkdir -p "$OUT" "$WORK/chunks" "$SPECJAX_HOME" "$SPECJAX_DATA" "$PERSIST"
+if [ "${SMOKE:-0}" != 1 ]; then
+  if [ -d "${WHEELS:-.whl}" ] && [ ! -f "$SITE/.installed" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${WHEELS:-.whl}"/*.whl
+    touch "$SITE/.installed"
+  fi
+  [ -d "${DATA_CARRY:-.data}" ] && cp --update=none "${DATA_CARRY:-.data}"/*.jsonl "$SPECJAX_DATA/" 2>/dev/null || true
+  for f in ${CHUNKS:-.weights/*.part*}; do [ -f "$f" ] && cp --update=none "$f" "$WORK/chunks/"; done
+  if [ ! -f "$SPECJAX_HOME/.$MODEL" ] && ls "$WORK"/chunks/*.part* >/dev/null 2>&1; then
+    cat "$WORK"/chunks/*.part* > "$WORK/model.gguf"        # the sha256 check says whether every chunk is here
+    if python3 -m specjax.cli fetch "$MODEL" --from-file "$WORK/model.gguf" 2>/dev/null; then
+      touch "$SPECJAX_HOME/.$MODEL"; rm -f "$WORK/model.gguf"
+    else
+      echo "[bootstrap] $MODEL: chunks incomplete so far"
+    fi
+  fi
+fi
+CARRY_PERSIST=${CARRY_PERSIST:-.gpucarry/persist}
+[ -d "$CARRY_PERSIST" ] && cp -rn "$CARRY_PERSIST/." "$PERSIST/"
+for size in "$PERSIST"/*.size "$PERSIST"/*/*.size; do
+  [ -f "$size" ] || continue
+  f=${size%.size}
+  [ -f "$f" ] && continue
+  if [ "$(cat "$f".part* 2>/dev/null | wc -c)" = "$(cat "$size")" ]; then cat "$f".part* > "$f" && rm -f "$f".part*; fi
+done
+device_kind() { python3 -c 'import jax; print(jax.devices()[0].device_kind)'; }
+# progress bars: keep their last state and lines that are not bars; an error printed on an
+# unfinished bar's line is split off first, so it is not dropped
+bars() { tr '\r' '\n' | sed -u 's/\(error: \|Traceback\)/\n\1/' | grep --line-buffered -v -E '^\s*$' \
+  | grep --line-buffered -E '100%\||^[^|]*$|error: |Error' || true; }
+# a command under a timeout, bars filtered, exit status and time logged; never fails
+timed_run() {
+  local tag=$1 limit=$2 t0=$(date +%s)
+  shift 2
+  set +e
+  timeout "$limit" "$@" 2>&1 | bars
+  echo "[$tag] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  set -e
+}
+# fields of a training spec: spec_fields KIND CONFIG FIELD... (e.g. dflash cfg.yaml out_dir drafter.init_from)
+spec_fields() {
+  python3 -c "import sys; from specjax.train.$1 import load_spec; s = load_spec(sys.argv[1]); print(*[eval('s.' + f) for f in sys.argv[2:]])" "${@:2}"
+}
+echo "[bootstrap] rev $SPECJAX_GIT_REV; $MODEL: $([ -f "$SPECJAX_HOME/.$MODEL" ] && echo installed || echo 'not from chunks'); persist: $(ls "$PERSIST" | tr '\n' ' ')"
+if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then exec "$@"; fi
