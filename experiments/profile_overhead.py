@@ -8,14 +8,15 @@ import argparse, json, sys, time
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specjax import engine, decode
+from specjax import engine
+from specjax.engine import decode
 from specjax.bench.env import device_info, git_revision
 from specjax.bench.prompts import load_prompt_set
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
-from specjax.generation import outputs_of, pad_prompts, plan_capacity
+from specjax.engine.generation import outputs_of, pad_prompts, plan_capacity
 from specjax.models.load import load_model
-from specjax.sampling import SamplingParams
+from specjax.engine.sampling import SamplingParams
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=64)

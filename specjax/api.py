@@ -18,15 +18,15 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from specjax import request
-from specjax.decode import generate_plain
+from specjax.engine import request
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
 from specjax.errors import UserError
 from specjax.models.load import LoadedModel, load_model
-from specjax.sampling import SamplingParams
-from specjax.stats import SpecStats
+from specjax.engine.sampling import SamplingParams
+from specjax.engine.stats import SpecStats
 
 
 def load(name_or_path: str, dtype: str = "float32") -> LoadedModel:
@@ -76,7 +76,7 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   (verification keeps the state after each position) or "redecode" (restore the pre-verification
   state and re-run the accepted tokens). Attention-only targets roll back by KV length either way.
   adaptive: per-sequence draft lengths from running acceptance and a verification width chosen by
-  measured cost (`specjax.adaptive`); n_max is then the upper bound.
+  measured cost (`specjax.engine.adaptive`); n_max is then the upper bound.
   parse_special: with `chat`, parse control-token strings inside the prompts (default: text).
   options: the speculator's options (`specjax speculators` lists them), e.g. {"size_n": 3}; for a
   chain, per member: {"ngram_simple": {...}, "suffix": {...}}.

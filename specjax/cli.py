@@ -52,7 +52,7 @@ def cmd_fetch(args) -> int:
 
 def _read_prompts(args) -> list[str]:
   """The prompt texts: the arguments, else all of stdin (one prompt), as checked UTF-8 text."""
-  from specjax import request
+  from specjax.engine import request
   if args.prompt:
     return [request.check_text(p, f"prompt {i}") for i, p in enumerate(args.prompt)]
   text = request.decode_utf8(sys.stdin.buffer.read(), "stdin")
@@ -69,7 +69,7 @@ _SPEC_ONLY = (("--n-max", "n_max"), ("--n-min", "n_min"), ("--p-min", "p_min"), 
 def check_generate_args(args) -> dict:
   """Every check of `generate`'s arguments that needs no model, so a bad value fails at once
   (before a load of several seconds). -> the keyword arguments of `api.generate`, less the prompts."""
-  from specjax import request
+  from specjax.engine import request
   from specjax.drafters import speculator_spec
   from specjax.drafters.registry import check_speculator
   n = len(args.prompts)
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     for module in args.plugin:
       load_plugin(module)
     if args.cmd != "fetch":
-      from specjax import compile_cache
+      from specjax.io import compile_cache
       compile_cache.enable()      # compiled programs kept on disk: a rerun skips compilation
     return args.func(args)
   except _user_errors() as e:

@@ -28,7 +28,7 @@ import pytest
 from conftest import chi2_gof
 from specjax.kernels import accept_sample as asl
 from specjax.kernels import dispatch
-from specjax.verify import accept_drafts
+from specjax.engine.verify import accept_drafts
 from test_verify import P_PASS, TV_PASS, _block_counts, _exact_block_law, _first_token_stats
 
 
@@ -157,7 +157,7 @@ def test_engine_sampling_identical_through_kernel(impl, tiny_llama):
   from conftest import perturb
   from specjax.drafters.draft_model import DraftModelDrafter
   from specjax.engine import speculative_generate
-  from specjax.sampling import SamplingParams
+  from specjax.engine.sampling import SamplingParams
   cfg, params = tiny_llama
   drafter = DraftModelDrafter(cfg=cfg, max_draft=3, weights=perturb(params, 0.05, seed=1))
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8]]

@@ -1,4 +1,4 @@
-"""Adaptive drafting (specjax.adaptive): the controller's choices follow acceptance and cost, and
+"""Adaptive drafting (specjax.engine.adaptive): the controller's choices follow acceptance and cost, and
 generation with it stays lossless (greedy identical to plain decoding; sampled output keeps the
 target's law) on the device loop and the host loop, including rounds that back off to plain
 decoding."""
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from conftest import perturb
-from specjax import adaptive as adapt
-from specjax.decode import generate_plain
+from specjax.engine import adaptive as adapt
+from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice
-from specjax.adaptive_replay import ReplayState, replay_segment
+from specjax.engine.adaptive_replay import ReplayState, replay_segment
 from specjax.engine import speculative_generate
-from specjax.sampling import SamplingParams
+from specjax.engine.sampling import SamplingParams
 from test_engine import N_SEQ, peaked_target  # noqa: F401
 from token_law import COLD_TEMPERATURE, STAT_NEW, STAT_PROMPT, check_token_law, decoder_law
 

@@ -73,7 +73,7 @@ def test_tiny_run_numbers_match_the_engine(tmp_path, interleave, prompt_data):
     pytest.skip("SmolLM2 not fetched")
   from specjax.bench.harness import PLAIN, run_experiment, _messages
   from specjax.bench.prompts import load_prompt_set
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.ngram_device import NgramSimpleDevice
   from specjax.engine import speculative_generate

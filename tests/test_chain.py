@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DeviceDrafter, HostDrafter
 from specjax.drafters.chain import Chain
 from specjax.drafters.ngram import NgramCache, NgramMapK, NgramMapK4V, NgramMod, NgramSimple

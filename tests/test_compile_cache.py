@@ -12,7 +12,7 @@ PROGRAM = """
 import jax, jax.numpy as jnp
 from jax._src import monitoring   # JAX's own cache counters (internal API, same on jax 0.10 and 0.11)
 monitoring.register_event_listener(lambda e, **k: print('EVENT', e) if e.endswith(('cache_hits', 'cache_misses')) else None)
-from specjax import compile_cache
+from specjax.io import compile_cache
 print(compile_cache.enable(min_compile_seconds=0.0))
 f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0 + 1.0)
 print(float(f(jnp.arange(64.0).reshape(8, 8) / 64)))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_LLAMA, ToyTokenizer
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
 from specjax.drafters.dflash import (DFlashConfig, DFlashDrafter, concat_taps, init_dflash, load_dflash,
                                      make_dflash_drafter, save_dflash, spread_taps)
@@ -25,7 +25,7 @@ from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
 from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dataset
 from specjax.train.dflash import HeldOut, LossConfig, anchor_blocks, make_loss_fn, without_held_out
 from specjax.train.loop import TrainConfig, train

@@ -22,7 +22,7 @@ from specjax.train.dflash import (DFlashTrainSpec, DrafterConfig, LossConfig, an
                                   concat_taps, make_loss_fn, run_training, score_blocks, warm_start)
 from specjax.train.loop import TrainConfig
 from specjax.models.decoder import forward
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 DC1 = DFlashConfig(taps=(0, 1), n_layers=1, block_size=4, window=8)
 DC2 = dataclasses.replace(DC1, n_layers=2)

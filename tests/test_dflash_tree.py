@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.dflash import DFlashDrafter, concat_taps, init_dflash, save_dflash
 from specjax.drafters.dflash_tree import DFlashTreeDrafter, best_first_tree, n_candidates

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from conftest import TINY_LLAMA
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
 from specjax.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, Eagle3TreeDrafter, build_d2t, head_module,
                                      head_step, init_head, load_head, make_eagle3_drafter, save_head)
 from specjax.engine import speculative_generate
 from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.eagle3 import Eagle3LossConfig, make_loss_fn, ttt_outputs
 from specjax.train.loop import TrainConfig, train
 from test_mtp import MIXED_NEW, N_SEQ, PROMPTS3

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import TINY_LLAMA
 from specjax.cli import main
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.eagle3 import Eagle3Config, build_d2t, init_head, load_head, save_head
 from specjax.drafters.eagle3_reference import ARCHITECTURE, load_reference

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import chi2_gof, jit_forward, perturb, random_params
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftContext, DraftParams
 from specjax.drafters.draft_model import DraftModelDrafter, IncompatibleDraftError, check_compatible
 from specjax.engine import speculative_generate
 from specjax.models.decoder import forward
-from specjax.sampling import SamplingParams, shaped_probs
-from specjax.state import KVCache
+from specjax.engine.sampling import SamplingParams, shaped_probs
+from specjax.models.kv_cache import KVCache
 from token_law import COLD_TEMPERATURE, P_FAIL, STAT_NEW, STAT_PROMPT, check_token_law, decoder_law, joint_counts
 
 K = 4                       # drafter.max_draft in the greedy tests

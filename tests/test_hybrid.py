@@ -18,13 +18,13 @@ import pytest
 
 from conftest import randomize_hf_
 from specjax.drafters.ngram_device import NgramSimpleDevice
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.hybrid_draft_model import HybridDraftModelDrafter
 from specjax.engine import speculative_generate
 from specjax.models.gated_deltanet import gated_delta_chunked, gated_delta_recurrent
 from specjax.models.hybrid import hybrid_forward, load_hybrid, rollback_redecode
-from specjax.recurrent_state import HybridState, rollback_per_step
-from specjax.sampling import SamplingParams
+from specjax.models.recurrent_state import HybridState, rollback_per_step
+from specjax.engine.sampling import SamplingParams
 from token_law import COLD_TEMPERATURE, STAT_NEW, STAT_PROMPT, check_token_law, exact_joint_law
 
 V = 16
@@ -303,7 +303,7 @@ def test_greedy_speculation_is_lossless(pair, noisy_drafter, plain3, rollback, d
 def test_adaptive_drafting_on_the_hybrid_target_is_lossless(pair, noisy_drafter, plain3):
   """Adaptive drafting (costs timed from whole rounds on the hybrid state, widths chosen per
   segment, then the recurrent state rolled back per step) keeps greedy output equal to plain."""
-  from specjax.adaptive import AdaptiveConfig
+  from specjax.engine.adaptive import AdaptiveConfig
   _, cfg, params = pair
   ac = AdaptiveConfig(widths=(0, 2, K), segment_rounds=3)
   res = speculative_generate(params, cfg, PROMPTS3, noisy_drafter, max_new_tokens=MAX_NEW, adaptive=ac)

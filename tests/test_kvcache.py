@@ -8,11 +8,11 @@ import pytest
 import jax.numpy as jnp
 
 from conftest import jit_forward
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.engine import speculative_generate
-from specjax.sampling import SamplingParams
-from specjax.state import CacheOverflowError, KVCache, check_capacity
+from specjax.engine.sampling import SamplingParams
+from specjax.models.kv_cache import CacheOverflowError, KVCache, check_capacity
 
 ROLLBACK_TOL = 1e-5
 
@@ -113,7 +113,7 @@ def test_ragged_batch_sampling_budgets_and_stops_like_alone(tiny_llama):
 
 def _min_capacity(prompts, max_new: int, lookahead: int) -> int:
   """Smallest explicit capacity the planner accepts for these prompts (host-only search)."""
-  from specjax.generation import pad_prompts, plan_capacity
+  from specjax.engine.generation import pad_prompts, plan_capacity
   width = pad_prompts(prompts)[0].shape[1]
   c = 1
   while True:

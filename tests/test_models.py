@@ -13,8 +13,8 @@ import pytest
 import jax.numpy as jnp
 
 from conftest import HF_VOCAB, jit_forward
-from specjax.decode import generate_plain
-from specjax.state import KVCache
+from specjax.engine.decode import generate_plain
+from specjax.models.kv_cache import KVCache
 
 REL_TOL = 1e-4
 ARCHS = ["llama", "llama_tied", "qwen2", "gemma3", "qwen3", "mistral", "llama3_rope"]

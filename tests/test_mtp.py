@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from conftest import TINY_LLAMA
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
 from specjax.drafters.mtp import (MTPDrafter, MTPHead, block_config, head_step, init_heads, load_heads,
                                   make_mtp_drafter, save_heads)
 from specjax.engine import speculative_generate
 from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.loop import TrainConfig, train
 from specjax.train.mtp import LossConfig, make_loss_fn, unrolled_outputs
 from token_law import COLD_TEMPERATURE, N_GREEDY, STAT_PROMPT, check_token_law, decoder_law, mixed_sampling

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.ngram import (EMPTY, NgramCache, NgramMapK, NgramMapK4V, NgramMod, NgramSimple,
                                     build_static_cache, load_ngram_cache, ngram_mod_hash, ngram_mod_lookup,
                                     save_ngram_cache, update_ngram_counts)

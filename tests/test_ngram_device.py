@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.ngram import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice, ngram_lookup

@@ -3,7 +3,7 @@ generations, the table persists across requests by design, and greedy output sta
 
 import numpy as np
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.ngram import NgramMod
 from specjax.drafters.ngram_mod_device import NgramModDevice

@@ -20,7 +20,7 @@ import pytest
 
 from specjax import api
 from specjax.cli import main
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters import speculator_spec
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator

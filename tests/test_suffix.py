@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.suffix import SuffixDecoding, SuffixTrie, best_draft, greedy_path
 from specjax.engine import speculative_generate
 from specjax.models.config import ModelConfig

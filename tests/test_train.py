@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ToyTokenizer
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.mtp import load_heads
 from specjax.models.load import LoadedModel
 from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dataset, target_prenorm

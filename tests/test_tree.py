@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from conftest import chi2_gof
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
 from specjax.engine import speculative_generate, verify_tree_and_accept
-from specjax.generation import GenState
+from specjax.engine.generation import GenState
 from specjax.models.decoder import forward
 from specjax.models.hybrid import HybridConfig
-from specjax.sampling import SamplingParams, init_keys
-from specjax.state import KVCache
-from specjax.tree import TreeDraft, accept_tree, tree_shape
+from specjax.engine.sampling import SamplingParams, init_keys
+from specjax.models.kv_cache import KVCache
+from specjax.engine.tree import TreeDraft, accept_tree, tree_shape
 from token_law import COLD_TEMPERATURE, N_GREEDY, STAT_PROMPT, check_token_law, decoder_law, mixed_sampling
 
 # ----------------------------------------------------------------------------------------------

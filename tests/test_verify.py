@@ -1,4 +1,4 @@
-"""Exact output law of `specjax.verify.accept_drafts` (Leviathan/Chen speculative sampling).
+"""Exact output law of `specjax.engine.verify.accept_drafts` (Leviathan/Chen speculative sampling).
 
 With target distributions p_0..p_K and draft distributions q_0..q_{K-1} that do not depend on the
 prefix (a valid special case of the theorem), one verification round emits a block
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import chi2_gof
-from specjax.verify import accept_drafts
+from specjax.engine.verify import accept_drafts
 
 N = 200_000
 P_PASS = 1e-4        # a correct sampler must not look this unlikely under its exact law

@@ -29,7 +29,7 @@ from conftest import random_params
 from specjax.kernels import verify_attention as va
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, forward
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 
 def random_case(b, t, h, kvh, d, s_cap, dtype, *, tree: bool, seed: int, full_lengths: bool = True):

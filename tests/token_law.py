@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import chi2_gof, chi2_two_sample, jit_forward
-from specjax.sampling import SamplingParams, shaped_probs
-from specjax.state import KVCache
+from specjax.engine.sampling import SamplingParams, shaped_probs
+from specjax.models.kv_cache import KVCache
 
 STAT_PROMPT = [3, 1, 4, 1, 5]
 STAT_NEW = 3                                          # leading new tokens whose joint law is tested

@@ -135,10 +135,10 @@ def _known_model(name: str) -> bool:
 
 
 def _check_adaptive(ad, where: str) -> None:
-  """`adaptive:` is true / false, or a mapping of `specjax.adaptive.AdaptiveConfig` fields."""
+  """`adaptive:` is true / false, or a mapping of `specjax.engine.adaptive.AdaptiveConfig` fields."""
   if not isinstance(ad, dict):
     return
-  from specjax.adaptive import AdaptiveConfig
+  from specjax.engine.adaptive import AdaptiveConfig
   fields = {f.name: f for f in dataclasses.fields(AdaptiveConfig)}
   unknown = sorted(set(ad) - set(fields))
   if unknown:

@@ -40,15 +40,15 @@ from specjax.bench import env
 from specjax.bench.config import DEFAULT_CAPACITY, PLAIN_NAME, TINY_RANDOM, ExperimentConfig, MethodConfig, to_dict
 from specjax.bench.journal import RowJournal, journal_path, json_ready, write_json_atomic
 from specjax.bench.prompts import Question, load_prompt_set
-from specjax.decode import generate_plain
+from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
-from specjax.adaptive import AdaptiveConfig
+from specjax.engine.adaptive import AdaptiveConfig
 from specjax.engine import speculative_generate
 from specjax.errors import UserError
-from specjax.generation import PROMPT_BUCKET, round_up
+from specjax.engine.generation import PROMPT_BUCKET, round_up
 from specjax.models.load import load_model
-from specjax.sampling import SamplingParams
+from specjax.engine.sampling import SamplingParams
 
 PLAIN = PLAIN_NAME
 WARM_TOKENS = 2            # new tokens of the untimed warm-up call of a new input shape

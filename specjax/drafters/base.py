@@ -60,7 +60,7 @@ class Drafter:
 
   on_device: a `DeviceDrafter` (runs inside the jitted loop) or a `HostDrafter` (Python, between
     jitted verification steps).
-  proposes_tree: `propose` returns a `specjax.tree.TreeDraft` (verified in one pass with an ancestor
+  proposes_tree: `propose` returns a `specjax.engine.tree.TreeDraft` (verified in one pass with an ancestor
     mask) instead of a chain `Draft`.
   commit_free: `commit` changes nothing, so adaptive drafting may run rounds without the drafter.
   replayable: `propose_at(history, at)` drafts from the history alone, so adaptive drafting can

@@ -44,7 +44,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm, rope
 from specjax.models.weights import FUSED
-from specjax.sampling import SamplingParams, shaped_probs, split_keys
+from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
 
 FORMAT = "specjax-dflash-v1"
 

@@ -15,7 +15,7 @@ before its children in the pool (ties go to the lower index), so the chosen node
 under taking prefixes: a tree. Nodes are put in topological order and their parents remapped.
 
 The candidates are a function of the context only (no sampling), so they go to verification with
-q = None (one-hot): lossless for greedy and for sampled targets (`specjax/tree.py`). `commit` is
+q = None (one-hot): lossless for greedy and for sampled targets (`specjax/engine/tree.py`). `commit` is
 DFlash's: the engine hands back the target's taps along [last, accepted path...], the committed
 positions base .. base + n_accepted, exactly what a chain's accepted prefix gives.
 """
@@ -30,8 +30,8 @@ import numpy as np
 
 from specjax.drafters.base import DraftContext
 from specjax.drafters.dflash import DFlashDrafter, DFlashState, drafter_for_target
-from specjax.sampling import split_keys
-from specjax.tree import TreeDraft, best_nodes
+from specjax.engine.sampling import split_keys
+from specjax.engine.tree import TreeDraft, best_nodes
 
 
 def n_candidates(depth: int, top_k: int) -> int:

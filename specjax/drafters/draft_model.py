@@ -18,7 +18,7 @@ from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResul
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 
 class IncompatibleDraftError(UserError):

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from specjax.drafters.base import DeviceDrafter, DraftContext, RoundResult
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
-from specjax.state import KVCache
-from specjax.tree import TreeDraft, tree_shape
+from specjax.models.kv_cache import KVCache
+from specjax.engine.tree import TreeDraft, tree_shape
 
 
 @jax.tree_util.register_dataclass

@@ -56,9 +56,9 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, embed_tokens, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
 from specjax.models.weights import FUSED
-from specjax.sampling import split_keys
-from specjax.state import KVCache
-from specjax.tree import best_nodes
+from specjax.engine.sampling import split_keys
+from specjax.models.kv_cache import KVCache
+from specjax.engine.tree import best_nodes
 
 FORMAT = "specjax-eagle3-v1"
 
@@ -413,7 +413,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
     return d2t[draft_ids], parents, n_nodes, scores, state
 
   def propose(self, dparams, dstate: Eagle3State, ctx: DraftContext):
-    from specjax.tree import TreeDraft
+    from specjax.engine.tree import TreeDraft
     tokens, parents, n_nodes, _, state = self.propose_tree(dparams, dstate, ctx)
     return TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes), state
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.models.hybrid import hybrid_forward
-from specjax.recurrent_state import HybridState, pick_step
+from specjax.models.recurrent_state import HybridState, pick_step
 
 
 @jax.tree_util.register_dataclass

@@ -44,7 +44,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm
 from specjax.models.weights import FUSED
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 FORMAT = "specjax-mtp-v1"
 

@@ -72,7 +72,7 @@ class NgramSimpleDevice(DeviceDrafter):
 
   def propose_at(self, history, at):
     """The drafts this drafter would propose at prefix lengths at [B, T] of history [B, H]
-    -> (drafts [B, T, K], lengths [B, T]): what adaptive drafting replays (`specjax.adaptive_replay`)."""
+    -> (drafts [B, T, K], lengths [B, T]): what adaptive drafting replays (`specjax.engine.adaptive_replay`)."""
     k = self.max_draft
     lookup = lambda n: ngram_lookup(history, n, self.size_n, self.size_m, jnp.full_like(n, k), k)
     return jax.vmap(lookup, in_axes=1, out_axes=(1, 1))(at)

@@ -24,7 +24,7 @@ from flax import nnx
 from specjax.kernels.verify_attention import RaggedMask, causal_new_mask
 from specjax.models.config import ModelConfig
 from specjax.models.layers import MLP, Attention, Linear, RMSNorm
-from specjax.state import KVCache, check_capacity
+from specjax.models.kv_cache import KVCache, check_capacity
 
 
 class Block(nnx.Module):

@@ -29,8 +29,8 @@ from flax import nnx
 from specjax.models.decoder import attention_masks, params_dtype
 from specjax.models.gated_deltanet import GatedDeltaNet
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
-from specjax.recurrent_state import ROLLBACK_MODES, HybridState, rollback_per_step, select_rows
-from specjax.state import check_capacity
+from specjax.models.recurrent_state import ROLLBACK_MODES, HybridState, rollback_per_step, select_rows
+from specjax.models.kv_cache import check_capacity
 
 HYBRID_ARCHS = ("qwen3_5",)
 HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")

@@ -249,7 +249,7 @@ def cmd_eval_dflash(args) -> int:
 
   from specjax.bench import env
   from specjax.bench.journal import write_json_atomic
-  from specjax.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
   from specjax.train.dflash import load_spec
   from specjax.train.dflash_eval import evaluate, first_turns, format_eval, plot_eval

@@ -198,7 +198,7 @@ def _rows_of(prompts: list[list[int]], responses: list[list[int]], width: int):
 def target_prenorm(params, tokens, lens, *, cfg):
   """The target's pre-norm hidden states [B, W, D] along token rows [B, W] (valid up to lens)."""
   from specjax.models.decoder import forward
-  from specjax.state import KVCache
+  from specjax.models.kv_cache import KVCache
   b, w = tokens.shape
   cache = KVCache.init(cfg, b, w, dtype=jax.tree_util.tree_leaves(params)[0].dtype)
   _, taps, _ = forward(params, cfg, tokens, cache, n_new=lens)
@@ -235,9 +235,9 @@ def build_dataset(target, dc: DataConfig, out_dir: str | Path | None = None, *, 
   from tqdm.auto import tqdm
 
   from specjax.bench.env import git_revision
-  from specjax.decode import generate_plain
-  from specjax.generation import PROMPT_BUCKET, round_up
-  from specjax.sampling import SamplingParams
+  from specjax.engine.decode import generate_plain
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.sampling import SamplingParams
 
   for src in dc.sources:   # before anything is written: an evaluation set never becomes training data
     src.check()

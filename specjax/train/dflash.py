@@ -32,7 +32,7 @@ from specjax.drafters.dflash import (DFlashConfig, block_inputs, concat_taps, in
                                      spread_taps)
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward, logits_from_prenorm
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, heldout_scores
 from specjax.train.loop import TrainConfig
 

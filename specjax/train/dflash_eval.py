@@ -37,12 +37,12 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
   `done_rows`: the rows of an interrupted evaluation of these questions: a temperature they
   complete (plain and every method) is kept as it is and not run again."""
   from specjax.bench.harness import repeat_spread
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
   from specjax.engine import speculative_generate
-  from specjax.generation import PROMPT_BUCKET, round_up
-  from specjax.sampling import SamplingParams
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.sampling import SamplingParams
 
   questions, prompts = first_turns(target, prompt_set, n_questions)
   stop = tuple(target.tokenizer.eos_ids)

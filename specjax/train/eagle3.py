@@ -35,7 +35,7 @@ from specjax.drafters.eagle3 import (Eagle3Config, build_d2t, head_module, init_
                                      t2d_mask)
 from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
 from specjax.models.layers import NEG_INF, attend
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, build_within, heldout_scores
 from specjax.train.loop import TrainConfig
 from specjax.train.mtp import _cast, _shift_left, _shift_right

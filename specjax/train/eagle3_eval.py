@@ -29,12 +29,12 @@ def evaluate_eagle3(target, head, *, prompt_set: str = "mt_bench", n_questions: 
   """`tree`: {"depth", "top_k", "budget"} of the tree drafter (None: no tree runs). `on_result(res)`
   is called with the result so far after every configuration (e.g. to keep a partial JSON)."""
   from specjax.bench.env import device_info, git_revision
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.eagle3 import make_eagle3_drafter
   from specjax.engine import speculative_generate
-  from specjax.generation import PROMPT_BUCKET, round_up
-  from specjax.sampling import SamplingParams
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.sampling import SamplingParams
 
   questions = _questions(prompt_set, n_questions)
   tok = target.tokenizer

@@ -67,9 +67,9 @@ def sample_queries(target, template: MagpieTemplate, seeds: list[int], *, temper
                    max_tokens: int, openings: list[list[int]] | None = None) -> list[list[int]]:
   """The target continues the pre-query part (followed by row i's opening tokens `openings[i]`, when
   given) once per seed: the raw generated tokens (the stop token included when one was hit)."""
-  from specjax.decode import generate_plain
-  from specjax.generation import PROMPT_BUCKET, round_up
-  from specjax.sampling import SamplingParams
+  from specjax.engine.decode import generate_plain
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.sampling import SamplingParams
   n = len(seeds)
   stop = tuple(dict.fromkeys((template.end_of_turn,) + tuple(target.tokenizer.eos_ids)))
   sampling = SamplingParams.make(n, temperature=temperature, top_p=top_p, seed=seeds)

@@ -29,7 +29,7 @@ import numpy as np
 from specjax.drafters.mtp import apply_head, head_for_step, init_heads, save_heads
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig
 from specjax.train.loop import TrainConfig
 
@@ -259,12 +259,12 @@ def evaluate_head(target, head, *, prompt_set: str = "mt_bench", per_category: i
   (greedy). Every configuration runs once untimed first (compilation)."""
   from specjax.bench.env import device_info, git_revision
   from specjax.bench.prompts import load_prompt_set
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.mtp import make_mtp_drafter
   from specjax.engine import speculative_generate
-  from specjax.generation import PROMPT_BUCKET, round_up
-  from specjax.sampling import SamplingParams
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.sampling import SamplingParams
 
   questions, per = [], {}
   for q in load_prompt_set(prompt_set):

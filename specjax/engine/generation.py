@@ -16,8 +16,8 @@ import numpy as np
 
 from specjax.models.decoder import DecoderTarget
 from specjax.models.hybrid import HybridConfig, HybridState, HybridTarget
-from specjax.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
-from specjax.state import KVCache, CacheOverflowError
+from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
+from specjax.models.kv_cache import KVCache, CacheOverflowError
 
 
 @jax.tree_util.register_dataclass

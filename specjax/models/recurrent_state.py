@@ -1,7 +1,7 @@
 """State of a hybrid (attention + recurrent) model as one immutable pytree, and its rollback.
 
 `HybridState` holds the KV cache of the attention layers (rolled back by length, as in
-`specjax.state`) and, per recurrent layer, a convolution state (the last K-1 conv inputs) and a
+`specjax.models.kv_cache`) and, per recurrent layer, a convolution state (the last K-1 conv inputs) and a
 recurrent state (the gated-DeltaNet matrix per value head). Recurrent state cannot be rolled back by
 a length: after a rejected draft it must be replaced by the state at the accepted position. Two
 ways, both here or in `specjax.models.hybrid`:
@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 ROLLBACK_MODES = ("per_step", "redecode")
 

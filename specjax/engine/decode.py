@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
-from specjax.sampling import SamplingParams, sample, shaped_probs, split_keys
+from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
+from specjax.engine.sampling import SamplingParams, sample, shaped_probs, split_keys
 
 
 def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, stop_ids,

@@ -3,7 +3,7 @@
 Device drafters run every round inside one jitted `lax.while_loop` (no host round trip per
 round). Host drafters (n-gram maps, suffix trees) drive a host loop around one jitted
 verify-and-accept step. Both use `verify_and_accept`, so verification is the same code. Device
-drafters that propose token trees (`proposes_tree = True`, a `specjax.tree.TreeDraft`) go through
+drafters that propose token trees (`proposes_tree = True`, a `specjax.engine.tree.TreeDraft`) go through
 `verify_tree_and_accept` instead, chosen statically.
 """
 
@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive as adapt
-from specjax.adaptive_replay import ReplayState, replay_segment
+from specjax.engine import adaptive as adapt
+from specjax.engine.adaptive_replay import ReplayState, replay_segment
 from specjax.drafters.base import Draft, DraftContext, DraftParams, RoundResult, check_drafter
-from specjax.decode import decode_step_counted, prefill_jit
-from specjax.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
+from specjax.engine.decode import decode_step_counted, prefill_jit
+from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
 from specjax.models.decoder import DecoderTarget
-from specjax.sampling import SamplingParams, shaped_probs, split_keys
-from specjax.stats import RoundStats, SpecStats
-from specjax.tree import TreeDraft, accept_tree, compact_path, max_depth_of, tree_attention_mask, tree_positions, tree_shape
-from specjax.verify import accept_drafts
+from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
+from specjax.engine.stats import RoundStats, SpecStats
+from specjax.engine.tree import TreeDraft, accept_tree, compact_path, max_depth_of, tree_attention_mask, tree_positions, tree_shape
+from specjax.engine.verify import accept_drafts
 
 
 def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, sampling: SamplingParams,
@@ -59,7 +59,7 @@ def verify_and_accept(params, cfg, state: GenState, draft: Draft, dp: dict, samp
 def verify_tree_and_accept(params, cfg, state: GenState, tree: TreeDraft, dp: dict, sampling: SamplingParams,
                            stop_ids, max_new, max_depth: int, taps=()):
   """Score [last, node_0..node_{T-1}] with the target in one pass (tree positions and ancestor
-  mask), accept the longest acceptable root-to-node path plus one token (`specjax.tree`), move the
+  mask), accept the longest acceptable root-to-node path plus one token (`specjax.engine.tree`), move the
   path's KV entries into consecutive slots and emit. The node budget is dp["n_max"] (nodes past
   it are padding; trees under dp["n_min"] nodes are not verified).
   Returns (state, n_acc, next, n_nodes, depth reached, [last, path...] [B, D+1], taps along it,
@@ -393,7 +393,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
                          rollback: str = "per_step", adaptive: "adapt.AdaptiveConfig | bool | None" = None) -> SpecResult:
   """Speculative generation of a ragged batch of token prompts with one drafter. `rollback`
   ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection.
-  `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.adaptive`)."""
+  `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.engine.adaptive`)."""
   check_drafter(drafter)
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft

@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.state import KVCache
+from specjax.models.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass

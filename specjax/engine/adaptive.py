@@ -231,7 +231,7 @@ def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *
   A first estimate: it leaves out the sampling / acceptance over [B, w+1, V] and the drafting, and
   on an H200 at batch 64 it grew too little with w (the controller chose wide widths that cost as
   much as fixed n_max 8); the device loop's warm-up replaces it by timed whole rounds."""
-  from specjax.generation import target_of
+  from specjax.engine.generation import target_of
   key = cost_key(params, cfg, batch, capacity, widths)
   dtype = jax.tree_util.tree_leaves(params)[0].dtype
   if key in _COSTS:
