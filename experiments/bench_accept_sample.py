@@ -8,7 +8,7 @@ For batch 1/8/32/64, K 4/8/16, V = 49152 (SmolLM2's vocabulary): target probabil
 draft distributions q [B, K, V] (model drafters) or none (deterministic drafters such as n-grams).
 Two timings per shape and implementation, each as `--iters` dependent calls inside one jitted
 fori_loop (median of `--repeats`):
-- "step": `specjax.verify.accept_drafts` from the sampler keys, as the engine runs it (uniforms
+- "step": `specjax.engine.verify.accept_drafts` from the sampler keys, as the engine runs it (uniforms
   and Gumbel noise drawn in XLA, then the kernel or the reference);
 - "core": the step from pre-drawn noise (`pallas_accept_sample` vs `accept_sample_reference`).
 The fraction of rows where kernel and reference agree (count and token) is recorded too.
@@ -36,7 +36,7 @@ from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.bench.timing import time_call  # noqa: E402
 from specjax.kernels import accept_sample as asl  # noqa: E402
 from specjax.kernels.dispatch import on_gpu  # noqa: E402
-from specjax.verify import accept_drafts  # noqa: E402
+from specjax.engine.verify import accept_drafts  # noqa: E402
 
 
 def inputs(b: int, k: int, v: int, dtype, has_q: bool, seed: int = 0):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.bench.prompts import load_prompt_set  # noqa: E402
-from specjax.decode import generate_plain  # noqa: E402
+from specjax.engine.decode import generate_plain  # noqa: E402
 from specjax.models.load import load_model  # noqa: E402
 
 

@@ -152,7 +152,7 @@ def end_to_end(args, budget_s: float) -> dict:
   from specjax.drafters.registry import make_speculator
   from specjax.engine import speculative_generate
   from specjax.models.load import load_model
-  from specjax.sampling import SamplingParams
+  from specjax.engine.sampling import SamplingParams
 
   t_start = time.perf_counter()
   target = load_model(args.model, dtype=jnp.bfloat16, progress=False)

@@ -48,7 +48,7 @@ def block_hits(target, drafter, prompts, answers) -> list[np.ndarray]:
   hits the target's argmax for position a + k (misses past the row's end)."""
   from specjax.drafters.dflash import concat_taps
   from specjax.models.decoder import forward, logits_from_prenorm
-  from specjax.state import KVCache
+  from specjax.models.kv_cache import KVCache
   from specjax.train.dflash import anchor_blocks
   cfg, params = target.cfg, target.params
   dp, dc = drafter.weights["dflash"], drafter.dc
@@ -87,10 +87,10 @@ def replay_rounds(hits: np.ndarray, n_answer: int, n_max: int) -> tuple[int, np.
 
 
 def run_set(target, drafter, name: str, n: int, new: int, n_max: int, engine: bool) -> dict:
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.engine import speculative_generate
-  from specjax.sampling import SamplingParams
+  from specjax.engine.sampling import SamplingParams
   t0 = time.perf_counter()
   tok = target.tokenizer
   prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in prompt_texts(name, n)]

@@ -33,14 +33,14 @@ def main(argv=None) -> dict:
   a = ap.parse_args(argv)
 
   from specjax.bench.env import device_info, git_revision
-  from specjax.decode import generate_plain
+  from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams
   from specjax.drafters.dflash import load_dflash
   from specjax.drafters.registry import make_speculator
   from specjax.engine import speculative_generate
-  from specjax.generation import PROMPT_BUCKET, round_up
+  from specjax.engine.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
-  from specjax.sampling import SamplingParams
+  from specjax.engine.sampling import SamplingParams
   from specjax.train.dflash import LossConfig, make_loss_fn, score_blocks
   from specjax.train.dflash_eval import first_turns
 

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.models.hybrid import HybridConfig, HybridTarget, hybrid_forward, init_params  # noqa: E402
-from specjax.recurrent_state import HybridState  # noqa: E402
+from specjax.models.recurrent_state import HybridState  # noqa: E402
 
 QWEN35_08B_LIKE = HybridConfig(
     arch="qwen3_5", vocab_size=248320, d_model=1024, n_layers=24,

@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.bench.timing import time_call  # noqa: E402
 from specjax.drafters.ngram_device import ngram_lookup  # noqa: E402
-from specjax.generation import GenState, emit  # noqa: E402
+from specjax.engine.generation import GenState, emit  # noqa: E402
 from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.decoder import forward, init_params  # noqa: E402
-from specjax.sampling import SamplingParams, shaped_probs  # noqa: E402
-from specjax.state import KVCache  # noqa: E402
-from specjax.verify import accept_drafts  # noqa: E402
+from specjax.engine.sampling import SamplingParams, shaped_probs  # noqa: E402
+from specjax.models.kv_cache import KVCache  # noqa: E402
+from specjax.engine.verify import accept_drafts  # noqa: E402
 
 QWEN15 = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2,
                      head_dim=128, ffn_dim=8960, rope_theta=1e6, qkv_bias=True)
