@@ -119,8 +119,8 @@ def _spec_config(text: str | None) -> dict:
 
 
 def cmd_export_head(args) -> int:
-  from specjax.drafters.eagle3_reference import export_file
-  print(export_file(args.head, args.out))
+  from specjax.drafters.head_file import export_head
+  print(export_head(args.head, args.out))
   return 0
 
 
@@ -274,9 +274,10 @@ def main(argv=None) -> int:
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
 
-  ex = sub.add_parser("export-head", help="write a trained EAGLE-3 head in the layout the EAGLE code, SpecForge, "
-                                           "SGLang and vLLM load (config.json + model.safetensors)")
-  ex.add_argument("head", help="a specjax EAGLE-3 head (X.safetensors beside X.json, or its folder)")
+  ex = sub.add_parser("export-head", help="write a trained head in its reference layout (config.json + safetensors): "
+                                           "EAGLE-3 for the EAGLE code / SpecForge / SGLang / vLLM, DFlash for "
+                                           "z-lab's, MTP in DeepSeek-V3's or Qwen3-Next's")
+  ex.add_argument("head", help="a specjax EAGLE-3, DFlash or MTP head (X.safetensors beside X.json, or its folder)")
   ex.add_argument("out", help="the folder to write")
   ex.set_defaults(func=cmd_export_head)
 

@@ -169,3 +169,43 @@ def check_head_file(path, stem: str, fmt: str, *, config_optional: bool = False)
       raise UserError(f"head weights {files[i]} are not a readable safetensors file ({why})") from None
     i += 1
   return wpath, cpath
+
+
+# each head kind's file stem and the module whose `export_file(head, out)` writes its reference layout
+EXPORTERS = {"specjax-eagle3-v1": ("eagle3_head", "specjax.drafters.eagle3_reference"),
+             "specjax-dflash-v1": ("dflash", "specjax.drafters.dflash_reference"),
+             "specjax-mtp-v1": ("mtp_head", "specjax.drafters.mtp_reference")}
+
+
+def head_format(path) -> str | None:
+  """The specjax format of a head file (its JSON's `format`, else its safetensors metadata's), or None."""
+  import json
+
+  from safetensors import safe_open
+  for fmt, (stem, _) in EXPORTERS.items():
+    wpath, cpath = file_paths(path, stem)
+    try:
+      if cpath.is_file():
+        got = json.loads(cpath.read_text()).get("format")
+      elif wpath.is_file():
+        with safe_open(str(wpath), framework="numpy") as f:
+          got = (f.metadata() or {}).get("format")
+      else:
+        continue
+    except (ValueError, OSError, AttributeError):
+      continue
+    if got in EXPORTERS:
+      return got
+  return None
+
+
+def export_head(path, out):
+  """A specjax head of any kind rewritten in its reference layout under `out` (the head's kind picks
+  the exporter). -> the folder written."""
+  import importlib
+
+  from specjax.errors import UserError
+  fmt = head_format(path)
+  if fmt is None:
+    raise UserError(f"{path}: not a specjax EAGLE-3, DFlash or MTP head (X.safetensors beside X.json, or its folder)")
+  return importlib.import_module(EXPORTERS[fmt][1]).export_file(path, out)
