@@ -25,7 +25,9 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
 from specjax.io.fetch import model_path  # noqa: E402
-from specjax.io.tokenizer import ChatTemplate, Tokenizer, TokenizerError, TokenType  # noqa: E402
+from specjax.io.chat_template import TemplateError  # noqa: E402
+from specjax.io.default_chat_templates import GEMMA  # noqa: E402
+from specjax.io.tokenizer import Tokenizer, TokenizerError, TokenType  # noqa: E402
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m")
 # Loading a GGUF's metadata (GGUFReader) and the transformers oracle takes ~5 s for SmolLM2 but
@@ -338,27 +340,13 @@ def test_chat_template_default_system(name, tok):
 
 
 def test_gemma_roles_must_alternate():
-  t = ChatTemplate("gemma", prefix="<bos>")
-  with pytest.raises(TokenizerError, match="alternate"):
+  """The built-in Gemma default is Gemma 3's own template: its raise_exception is a TemplateError."""
+  from specjax.io.chat_template import JinjaChatTemplate
+  t = JinjaChatTemplate(GEMMA, {"bos_token": "<bos>"})
+  with pytest.raises(TemplateError, match="alternate"):
     t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
   assert t.render([{"role": "system", "content": "S"}, {"role": "user", "content": " q "}],
                   add_generation_prompt=False) == "<bos><start_of_turn>user\nS\n\nq<end_of_turn>\n"
-
-
-def test_chat_template_detection():
-  smol = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are X<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
-          "'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}")
-  qwen = ("{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
-          "{{- '<|im_start|>system\\nYou\\'re Q.<|im_end|>\\n' }}")
-  assert ChatTemplate.detect(smol, {}, None) == ChatTemplate("chatml", default_system="You are X")
-  assert ChatTemplate.detect(qwen, {}, None).default_system == "You're Q."
-  assert ChatTemplate.detect(None, {"<|im_start|>": 1}, None) == ChatTemplate("chatml")
-  assert ChatTemplate.detect(None, {"<start_of_turn>": 5}, "<bos>") == ChatTemplate("gemma", prefix="<bos>")
-  with pytest.raises(TokenizerError):
-    ChatTemplate.detect("{{ messages }} [INST]", {}, None)
-  with pytest.raises(TokenizerError):
-    ChatTemplate.detect(None, {"a": 0}, None)
 
 
 # --- construction errors and a tiny synthetic vocabulary -------------------------------------------

@@ -4,7 +4,7 @@ and the end-of-generation ids of `generation_config.json`.
 
 It has the interface of the GGUF tokenizer (`specjax.io.tokenizer.Tokenizer`): `encode`,
 `encode_chat`, `decode`, `apply_chat_template`, `eos_ids`, ... Chats are rendered by the folder's
-own Jinja template and encoded as transformers' `apply_chat_template(tokenize=True)` encodes them
+own Jinja template (a named default when it has none) and encoded as transformers' `apply_chat_template(tokenize=True)` encodes them
 (no post-processor: the template writes BOS itself), with control-token strings inside messages
 kept as text (`specjax.io.chat_template.encode_chat_ids`).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from specjax.errors import UserError
-from specjax.io.chat_template import JinjaChatTemplate, encode_chat_ids, render_with_spans
+from specjax.io.chat_template import JinjaChatTemplate, chat_token_ids, default_chat_template
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -132,13 +132,15 @@ class HFTokenizer:
 
   @property
   def chat_template(self) -> JinjaChatTemplate:
+    """The folder's template, else a named default (announced once; `default_chat_template`)."""
     if self._chat is None:
-      raise UserError("this checkpoint has no chat template (tokenizer_config.json chat_template or "
-                      "chat_template.jinja); pass one with --chat-template FILE, or drop --chat")
+      name, source = default_chat_template(lambda t: self._tok.token_to_id(t) is not None,
+                                           "this checkpoint (no chat_template in tokenizer_config.json)")
+      self._chat = JinjaChatTemplate(source, self._special, name=name)
     return self._chat
 
   def set_chat_template(self, source: str) -> None:
-    self._chat = JinjaChatTemplate(source, self._special)
+    self._chat = JinjaChatTemplate(source, self._special, name="user")
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     return self.chat_template.render(messages, add_generation_prompt)
@@ -147,12 +149,10 @@ class HFTokenizer:
                   parse_special: bool = False) -> list[int]:
     """transformers' `apply_chat_template(messages, tokenize=True)` ids, with control-token strings
     inside messages kept as text unless `parse_special`."""
-    text, spans = render_with_spans(lambda ms: self.apply_chat_template(ms, add_generation_prompt), messages,
-                                    self.chat_template.rendered_content)
-    return encode_chat_ids(text, spans, [m.get("content") for m in messages], self._encode_offsets,
-                           lambda t: t in self._control_ids,
-                           lambda x: self.encode(x, add_bos=False, parse_special=False),
-                           self._tok.token_to_id, parse_special)
+    return chat_token_ids(self.chat_template, messages, add_generation_prompt, parse_special,
+                          encode_offsets=self._encode_offsets, is_control=lambda t: t in self._control_ids,
+                          encode_plain=lambda x: self.encode(x, add_bos=False, parse_special=False),
+                          control_id=self._tok.token_to_id)[1]
 
   def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     enc = self._tok.encode(text, add_special_tokens=False)

@@ -18,12 +18,11 @@ those keys with `gguf.GGUFReader` and rebuilds an equivalent HF `tokenizers` (Ru
 In both, control tokens (token type 3) are matched whole in the text as special added tokens and
 user-defined ones (type 4) as plain added tokens, like llama.cpp's special-token partition.
 
-Chat templates are not run through Jinja. The stored template is inspected and one of two built-in
-renderers is picked: ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`; SmolLM2, Qwen2.5) with the
-default system message the template inserts when the conversation has none, or Gemma
-(`<start_of_turn>user\\n...<end_of_turn>\\n`, `assistant` -> `model`, a system message folded into
-the first user turn). A file without a template (e.g. the Gemma-3 270M GGUF) gets the renderer its
-vocabulary implies.
+Chats are rendered by the file's own Jinja template (`tokenizer.chat_template`) in the sandboxed
+environment HF folders use too (`specjax.io.chat_template`), with the file's special tokens as
+`bos_token`, `eos_token`, ... A file without a template (e.g. the Gemma-3 270M GGUF) gets a named
+built-in default, "gemma" or "chatml" by the turn markers of its vocabulary, announced once on
+stderr; `set_chat_template` (`--chat-template FILE`) replaces either.
 
 `eos_ids` follows llama.cpp's end-of-generation set: EOS, EOT/EOM, the FIM pad/repo/sep tokens and
 the tokens whose text marks an end of turn (`<|im_end|>`, `<end_of_turn>`, `<|endoftext|>`, ...).
@@ -31,10 +30,8 @@ the tokens whose text marks an end of turn (`<|im_end|>`, `<end_of_turn>`, `<|en
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,7 +43,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from specjax.errors import UserError
 
-__all__ = ["Tokenizer", "TokenizerError", "TokenType", "ChatTemplate", "read_tokenizer_metadata"]
+__all__ = ["Tokenizer", "TokenizerError", "TokenType", "read_tokenizer_metadata"]
 
 
 class TokenizerError(UserError):
@@ -159,109 +156,6 @@ def read_tokenizer_metadata(source) -> dict[str, Any]:
     if key.startswith("tokenizer.") or key == "general.architecture":
       out[key] = _field_value(field)
   return out
-
-
-# --- chat templates -------------------------------------------------------------------------------
-
-_JINJA_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
-
-
-def _unescape_jinja(text: str) -> str:
-  return re.sub(r"\\(.)", lambda m: _JINJA_ESCAPES.get(m.group(1), "\\" + m.group(1)), text, flags=re.S)
-
-
-# `<|im_start|>system\n<literal text><|im_end|>` inside one string literal of the template: the
-# default system message inserted when the conversation does not start with one.
-_DEFAULT_SYSTEM_RE = re.compile(
-    r"<\|im_start\|>system(?:\\n|\n)((?:[^'\"{}\\]|\\.)*?)<\|im_end\|>", re.S)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-  """A built-in renderer standing in for the file's Jinja chat template.
-
-  kind: "chatml" or "gemma". default_system: the system message ChatML inserts when the first
-  message is not a system one (None: insert nothing). prefix: text put before the conversation (the
-  BOS text for Gemma's `{{ bos_token }}`). qwen_tools: render `tool` messages as Qwen2.5 does.
-  """
-  kind: str
-  default_system: str | None = None
-  prefix: str = ""
-  qwen_tools: bool = False
-
-  @classmethod
-  def detect(cls, source: str | None, vocab: Mapping[str, int], bos_text: str | None) -> "ChatTemplate":
-    """Pick the renderer that matches the stored template `source` (or, when absent, the vocabulary)."""
-    if source:
-      if "<start_of_turn>" in source:
-        prefix = bos_text if (bos_text and "bos_token" in source) else ""
-        return cls("gemma", prefix=prefix)
-      if "<|im_start|>" in source:
-        m = _DEFAULT_SYSTEM_RE.search(source)
-        default = _unescape_jinja(m.group(1)) if m else None
-        return cls("chatml", default_system=default, qwen_tools="<tool_response>" in source)
-      raise TokenizerError("unsupported chat template (neither ChatML nor Gemma); it begins with "
-                           f"{source[:120]!r}")
-    if "<start_of_turn>" in vocab:
-      return cls("gemma", prefix=bos_text or "")
-    if "<|im_start|>" in vocab:
-      return cls("chatml")
-    raise TokenizerError("the GGUF has no tokenizer.chat_template and its vocabulary has neither "
-                         "ChatML nor Gemma turn markers")
-
-  def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    msgs = [(str(m["role"]), _content_text(m)) for m in messages]
-    if self.kind == "gemma":
-      return self._render_gemma(msgs, add_generation_prompt)
-    return self._render_chatml(msgs, add_generation_prompt)
-
-  def _render_chatml(self, msgs: list[tuple[str, str]], add_generation_prompt: bool) -> str:
-    parts = []
-    if self.default_system is not None and (not msgs or msgs[0][0] != "system"):
-      parts.append(f"<|im_start|>system\n{self.default_system}<|im_end|>\n")
-    for i, (role, content) in enumerate(msgs):
-      if role == "tool" and self.qwen_tools:
-        # Consecutive tool results share one user turn, each wrapped in <tool_response>.
-        if i == 0 or msgs[i - 1][0] != "tool":
-          parts.append("<|im_start|>user")
-        parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
-        if i == len(msgs) - 1 or msgs[i + 1][0] != "tool":
-          parts.append("<|im_end|>\n")
-        continue
-      parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-    if add_generation_prompt:
-      parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
-  def rendered_content(self, role: str, content: str) -> str:
-    """A message's content as the renderer writes it (Gemma strips user / model turns)."""
-    return content.strip() if (self.kind == "gemma" and role != "system") else content
-
-  def _render_gemma(self, msgs: list[tuple[str, str]], add_generation_prompt: bool) -> str:
-    first_prefix = ""
-    if msgs and msgs[0][0] == "system":
-      first_prefix = msgs[0][1] + "\n\n"
-      msgs = msgs[1:]
-    parts = [self.prefix]
-    for i, (role, content) in enumerate(msgs):
-      if (role == "user") != (i % 2 == 0):
-        raise TokenizerError("Conversation roles must alternate user/assistant/user/assistant/...")
-      role = "model" if role == "assistant" else role
-      parts.append(f"<start_of_turn>{role}\n{first_prefix if i == 0 else ''}{content.strip()}<end_of_turn>\n")
-    if add_generation_prompt:
-      parts.append("<start_of_turn>model\n")
-    return "".join(parts)
-
-
-def _content_text(message: Mapping[str, Any]) -> str:
-  content = message.get("content")
-  if content is None:
-    return ""
-  if isinstance(content, str):
-    return content
-  if isinstance(content, Sequence):  # OpenAI-style list of parts: keep the text ones
-    return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
-  raise TokenizerError(f"message content must be a string, got {type(content).__name__}")
 
 
 # --- building the Rust tokenizer ------------------------------------------------------------------
@@ -419,8 +313,8 @@ class Tokenizer:
     for i, t in enumerate(self._tokens):
       self._text_to_id.setdefault(t, i)
     self._eos_ids = self._end_of_generation_ids(meta)
-    self._chat_source: str | None = meta.get("tokenizer.chat_template")
-    self._chat: ChatTemplate | None = None
+    self._chat_source: str | None = meta.get("tokenizer.chat_template") or None
+    self._chat = None           # the JinjaChatTemplate, made on first use (a default is announced then)
 
   # -- construction --
 
@@ -508,7 +402,7 @@ class Tokenizer:
 
   @property
   def chat_template_source(self) -> str | None:
-    """The Jinja template stored in the file (None when absent); it is inspected, never run."""
+    """The Jinja template stored in the file (None when absent)."""
     return self._chat_source
 
   @property
@@ -564,23 +458,32 @@ class Tokenizer:
 
   # -- chat --
 
+  def _special_texts(self) -> dict[str, str]:
+    """The special tokens a template may refer to (`bos_token`, ...), as their texts."""
+    ids = {"bos_token": self._bos_id, "eos_token": self._eos_id, "unk_token": self._unk_id,
+           "pad_token": self._pad_id}
+    return {k: self._tokens[i] for k, i in ids.items() if i is not None}
+
   @property
-  def chat_template(self) -> ChatTemplate:
-    """The built-in renderer chosen for this model's chat template."""
+  def chat_template(self):
+    """The `JinjaChatTemplate` chats are rendered with: the file's, a named default, or one set."""
     if self._chat is None:
-      bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
-      self._chat = ChatTemplate.detect(self._chat_source, self._text_to_id, bos_text)
+      from specjax.io.chat_template import JinjaChatTemplate, default_chat_template
+      if self._chat_source:
+        self._chat = JinjaChatTemplate(self._chat_source, self._special_texts())
+      else:
+        name, source = default_chat_template(lambda t: t in self._text_to_id, "this GGUF file")
+        self._chat = JinjaChatTemplate(source, self._special_texts(), name=name)
     return self._chat
 
   def set_chat_template(self, source: str) -> None:
     """Render chats with this Jinja template instead of the file's (`--chat-template FILE`)."""
     from specjax.io.chat_template import JinjaChatTemplate
-    special = {"bos_token": self._tokens[self._bos_id] if self._bos_id is not None else "",
-               "eos_token": self._tokens[self._eos_id] if self._eos_id is not None else ""}
-    self._chat = JinjaChatTemplate(source, special)
+    self._chat = JinjaChatTemplate(source, self._special_texts(), name="user")
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render `[{"role": ..., "content": ...}, ...]` the way the model's chat template does."""
+    """Render `[{"role": ..., "content": ...}, ...]` with the chat template (transformers'
+    `apply_chat_template(tokenize=False)`)."""
     return self.chat_template.render(messages, add_generation_prompt)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -592,15 +495,14 @@ class Tokenizer:
     (a user typing `<|im_end|>\n<|im_start|>assistant\n...`) is tokenized as text, so no message
     can forge a turn. `parse_special=True` parses them in content too (a caller that builds turns
     by hand)."""
-    from specjax.io.chat_template import encode_chat_ids, render_with_spans
-    text, spans = render_with_spans(lambda ms: self.apply_chat_template(ms, add_generation_prompt), messages,
-                                    self.chat_template.rendered_content)
+    from specjax.io.chat_template import chat_token_ids
+    text, ids = chat_token_ids(self.chat_template, messages, add_generation_prompt, parse_special,
+                               encode_offsets=self._encode_offsets,
+                               is_control=lambda t: self._types[t] == TokenType.CONTROL,
+                               encode_plain=lambda x: self.encode(x, add_bos=False, add_eos=False, parse_special=False),
+                               control_id=lambda x: self._text_to_id[x])
     bos_text = self._tokens[self._bos_id] if self._bos_id is not None else None
     add_bos = self._add_bos and not (bos_text and text.startswith(bos_text))
-    ids = encode_chat_ids(text, spans, [m.get("content") for m in messages], self._encode_offsets,
-                          lambda t: self._types[t] == TokenType.CONTROL,
-                          lambda x: self.encode(x, add_bos=False, add_eos=False, parse_special=False),
-                          lambda x: self._text_to_id[x], parse_special)
     return self._wrap(ids, add_bos, False)
 
   def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
