@@ -11,6 +11,11 @@ and LM head turn block slot k into a distribution for the token at t + k (k = 1 
 drafts from one pass. Token embeddings and the LM head are the target's (shared, frozen); the
 MASK embedding is learned.
 
+z-lab's variant (`DFlashConfig.mask_token_id`, `final_norm`, `layer_fields`; see
+`specjax/drafters/dflash_reference.py`): the MASK embedding is the target's embedding of token
+`mask_token_id` (no learned vector), the drafter's own final RMSNorm replaces the target's before
+the target's LM head, and the layers are Qwen3 layers of their own sizes whatever the target.
+
 Context. Each sequence keeps the fused features of its last `window` committed positions in a
 `FeatureWindow` (`specjax/drafters/feature_window.py`): `init` writes the prompt's, `commit` the
 accepted tokens' (the rows of [last, d1..dn] from the verification pass, positions t .. t+n),
@@ -41,7 +46,7 @@ from specjax.drafters.head_file import file_paths, fill_from_tensors, load_tenso
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
-from specjax.models.decoder import Block, embed_tokens, logits_from_prenorm
+from specjax.models.decoder import Block, embed_tokens, lm_head_logits, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm, rope
 from specjax.models.weights import FUSED
 from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
@@ -66,9 +71,14 @@ class DFlashConfig:
   block_size: int = 16               # B: [last, MASK x (B-1)], B-1 drafts per pass
   window: int = 256                  # context positions kept per sequence
   ffn_dim: int | None = None         # MLP width of the drafter's layers (default: the target's)
+  mask_token_id: int | None = None   # None: a learned MASK embedding; else the target's embedding of this token
+  final_norm: bool = False           # the drafter's own final RMSNorm before the LM head (else the target's)
+  layer_fields: tuple = ()           # (ModelConfig field, value) pairs overriding the target's for the layers
 
   def __post_init__(self):
     object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+    object.__setattr__(self, "layer_fields", tuple(
+        (str(k), tuple(v) if isinstance(v, list) else v) for k, v in self.layer_fields))
     if list(self.taps) != sorted(set(self.taps)) or not self.taps:
       raise ValueError(f"taps must be distinct ascending layer indices, got {self.taps}")
     if self.block_size < 2 or self.window < 1 or self.n_layers < 1:
@@ -78,19 +88,22 @@ class DFlashConfig:
 def layer_config(cfg: ModelConfig, dc: DFlashConfig) -> ModelConfig:
   """The drafter layers: the target's family and widths, full attention."""
   return cfg.replace(n_layers=dc.n_layers, layer_types=("full",) * dc.n_layers, sliding_window=None,
-                     ffn_dim=dc.ffn_dim or cfg.ffn_dim)
+                     ffn_dim=dc.ffn_dim or cfg.ffn_dim, **dict(dc.layer_fields))
 
 
 class DFlashModel(nnx.Module):
-  """fc [n_taps * D -> D] + hidden_norm (the context features), a learned MASK embedding, and
-  `n_layers` decoder blocks with KV injection."""
+  """fc [n_taps * D -> D] + hidden_norm (the context features), a learned MASK embedding (unless
+  `mask_token_id`), `n_layers` decoder blocks with KV injection, and a final norm (`final_norm`)."""
 
   def __init__(self, cfg: ModelConfig, dc: DFlashConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     d = cfg.d_model
-    self.fc = Linear(len(dc.taps) * d, d, bias=False, dtype=dtype, rngs=rngs)
-    self.hidden_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-    self.mask_embedding = nnx.Param(jax.random.normal(rngs.params(), (d,), jnp.float32).astype(dtype))
     lc = layer_config(cfg, dc)
+    self.fc = Linear(len(dc.taps) * d, d, bias=False, dtype=dtype, rngs=rngs)
+    self.hidden_norm = RMSNorm(d, lc.norm_eps, offset=lc.norm_offset, dtype=dtype)
+    if dc.mask_token_id is None:
+      self.mask_embedding = nnx.Param(jax.random.normal(rngs.params(), (d,), jnp.float32).astype(dtype))
+    if dc.final_norm:
+      self.norm = RMSNorm(d, lc.norm_eps, offset=lc.norm_offset, dtype=dtype)
     self.layers = nnx.List([Block(lc, i, dtype=dtype, rngs=rngs) for i in range(dc.n_layers)])
 
   def fuse(self, taps: jax.Array) -> jax.Array:
@@ -138,12 +151,17 @@ def init_dflash(cfg: ModelConfig, dc: DFlashConfig, seed: int = 0, dtype=jnp.flo
   """Drafter parameters (a pure dict). Matrices N(0, 1/d_in), except each layer's output
   projections (o_proj, down_proj), which start at zero: the residual branches start silent, so the
   first logits are the LM head's on the block embeddings, not noise of large norm. The MASK
-  embedding is N(0, 1) scaled to the RMS of the target's token embeddings when those are given."""
+  embedding is N(0, 1) scaled to the RMS of the target's token embeddings when those are given; an
+  own final norm starts as the target's."""
   pure = nnx.to_pure_dict(nnx.split(DFlashModel(cfg, dc, dtype=dtype, rngs=nnx.Rngs(seed)))[1])
   for layer in pure["layers"].values():
     for proj in (layer["self_attn"]["o_proj"], layer["mlp"]["down_proj"]):
       proj["kernel"] = jnp.zeros_like(proj["kernel"])
-  if target_params is not None:
+  if target_params is not None and dc.final_norm:
+    w = jnp.asarray(nnx.to_pure_dict(target_params)["norm"]["weight"], jnp.float32)
+    own_offset = layer_config(cfg, dc).norm_offset
+    pure["norm"]["weight"] = (w + (1.0 if cfg.norm_offset and not own_offset else 0.0)).astype(dtype)
+  if target_params is not None and dc.mask_token_id is None:
     emb = nnx.to_pure_dict(target_params)["embed_tokens"]["embedding"]
     rms = jnp.sqrt(jnp.mean(jnp.square(jnp.asarray(emb, jnp.float32))))
     pure["mask_embedding"] = (pure["mask_embedding"].astype(jnp.float32) * rms).astype(dtype)
@@ -157,11 +175,22 @@ def concat_taps(layer_taps) -> jax.Array:
 
 def block_inputs(dparams, tparams, cfg: ModelConfig, dc: DFlashConfig, anchors) -> jax.Array:
   """Block embeddings [..., B, D] for anchor tokens [...]: the target's embedding of the anchor,
-  then the MASK embedding B-1 times."""
+  then the MASK embedding B-1 times (learned, or the target's embedding of mask_token_id)."""
   emb = embed_tokens(tparams, cfg, anchors.reshape(-1, 1)).reshape(anchors.shape + (1, cfg.d_model))
-  mask = jnp.broadcast_to(dparams["mask_embedding"].astype(jnp.float32),
-                          anchors.shape + (dc.block_size - 1, cfg.d_model))
+  if dc.mask_token_id is None:
+    mask_vec = dparams["mask_embedding"].astype(jnp.float32)                       # [D]
+  else:
+    mask_vec = embed_tokens(tparams, cfg, jnp.full((1, 1), dc.mask_token_id, jnp.int32))[0, 0]   # [D]
+  mask = jnp.broadcast_to(mask_vec, anchors.shape + (dc.block_size - 1, cfg.d_model))
   return jnp.concatenate([emb, mask], axis=-2)
+
+
+def draft_logits(dparams, tparams, cfg: ModelConfig, dc: DFlashConfig, h) -> jax.Array:
+  """Logits [..., T, V] of the drafter's hidden states h [..., T, D]: the target's final norm and LM
+  head, or (final_norm) the drafter's own norm and the target's LM head alone."""
+  if not dc.final_norm:
+    return logits_from_prenorm(tparams, cfg, h)
+  return lm_head_logits(tparams, cfg, model_of(dparams, cfg, dc).norm(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +254,7 @@ class DFlashDrafter(DeviceDrafter):
     mask = jnp.concatenate([jnp.broadcast_to(win.valid[:, None, :], (b, bk, win.size)),
                             jnp.ones((b, bk, bk), bool)], axis=2)                 # [B, Bk, W + Bk]
     h = model_of(dp, self.cfg, self.dc)(x, positions, win.feats, win.pos, mask)    # [B, Bk, D]
-    return logits_from_prenorm(tp, self.cfg, h[:, 1:n + 1])                       # [B, n, V]
+    return draft_logits(dp, tp, self.cfg, self.dc, h[:, 1:n + 1])                 # [B, n, V]
 
   def propose(self, dparams, dstate: DFlashState, ctx: DraftContext) -> tuple[Draft, DFlashState]:
     b, k = ctx.last.shape[0], self.max_draft
@@ -275,10 +304,10 @@ def _names(path: tuple[str, ...]) -> tuple[list[str], bool]:
 
 
 def _split_sizes(cfg: ModelConfig, dc: DFlashConfig, fused: str) -> list[int]:
+  cfg = layer_config(cfg, dc)
   if fused == "qkv_proj":
     return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
-  f = dc.ffn_dim or cfg.ffn_dim
-  return [f, f]
+  return [cfg.ffn_dim, cfg.ffn_dim]
 
 
 def drafter_paths(path: str | Path) -> tuple[Path, Path]:
@@ -301,7 +330,11 @@ def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *
 
 def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, DFlashConfig, dict]:
   """(drafter params, its DFlashConfig, the JSON config) for target `cfg`; refuses a drafter
-  trained for a target of other sizes. `dtype` casts (default: as stored)."""
+  trained for a target of other sizes. `dtype` casts (default: as stored). A folder in z-lab's
+  layout (config.json + safetensors) loads too (`dflash_reference.load_reference`)."""
+  from specjax.drafters.dflash_reference import is_reference_folder, load_reference
+  if is_reference_folder(path):
+    return load_reference(path, cfg, dtype)
   wpath, cpath = drafter_paths(path)
   if not wpath.exists():
     raise FileNotFoundError(f"no DFlash drafter weights at {wpath}")
@@ -312,7 +345,7 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
     why = ", ".join(f"{k} {got.get(k)} != {want[k]}" for k in bad) or f"taps {meta['dflash']['taps']} exceed its layers"
     raise UserError(f"DFlash drafter {wpath} was trained for another target: {why}")
   d = dict(meta["dflash"])
-  dc = DFlashConfig(**{**d, "taps": tuple(d["taps"])})
+  dc = DFlashConfig(**{**d, "taps": tuple(d["taps"]), "layer_fields": tuple(d.get("layer_fields", ()))})
   flat = load_tensors(wpath)
   abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0))))[1])
   out, used = fill_from_tensors(abstract, flat, _names, what=f"DFlash drafter {wpath}", dtype=dtype, int_keys=True)

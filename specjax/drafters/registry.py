@@ -178,11 +178,13 @@ HEAD_FILES = {n: (get(n).head_stem, get(n).head_format) for n in ALL if get(n).h
 def check_head(name: str, head) -> None:
   """The checks of a head file for speculator `name` that need no model (files present, the right
   kind of head, readable safetensors): a wrong or broken head is one UserError before any loading."""
+  from specjax.drafters import dflash_reference, eagle3_reference, mtp_reference
   from specjax.drafters.head_file import check_head_file
-  from specjax.drafters.eagle3_reference import is_reference_folder
   spec = get(name)
-  if spec.head_format == "specjax-eagle3-v1" and isinstance(head, (str, Path)) and is_reference_folder(head):
-    return                           # the EAGLE / SpecForge / vLLM layout: checked when it loads
+  reference = {"specjax-eagle3-v1": eagle3_reference, "specjax-dflash-v1": dflash_reference,
+               "specjax-mtp-v1": mtp_reference}.get(spec.head_format)
+  if reference is not None and isinstance(head, (str, Path)) and reference.is_reference_folder(head):
+    return                           # a reference layout (EAGLE / z-lab / DeepSeek / Qwen3-Next): checked when it loads
   if spec.head_format and isinstance(head, (str, Path)):
     check_head_file(head, spec.head_stem, spec.head_format, config_optional=name == "mtp")
 

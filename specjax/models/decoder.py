@@ -68,7 +68,10 @@ class Transformer(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Final norm + LM head. h [B, T, d_model] (pre-norm) -> [B, T, V] float32."""
-    h = self.norm(h)
+    return self.head(self.norm(h))
+
+  def head(self, h: jax.Array) -> jax.Array:
+    """The LM head alone. h [B, T, d_model] (normed) -> [B, T, V] float32."""
     if self.lm_head is None:
       w = self.embed_tokens.embedding[...]
       out = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
@@ -197,6 +200,16 @@ class DecoderTarget:
 def logits_from_prenorm(params, cfg: ModelConfig, h):
   """Target's final norm + LM head applied to pre-norm hidden states h [B, T, d_model]."""
   return model_of(params, cfg).logits(h)
+
+
+def final_norm(params, cfg: ModelConfig, h):
+  """Target's final norm alone. h [B, T, d_model] -> [B, T, d_model]."""
+  return model_of(params, cfg).norm(h)
+
+
+def lm_head_logits(params, cfg: ModelConfig, h):
+  """Target's LM head alone (no final norm) on h [B, T, d_model] -> [B, T, V] float32."""
+  return model_of(params, cfg).head(h)
 
 
 def embed_tokens(params, cfg: ModelConfig, tokens):

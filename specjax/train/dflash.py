@@ -31,7 +31,7 @@ import numpy as np
 from specjax.drafters.dflash import (DFlashConfig, block_inputs, concat_taps, init_dflash, model_of, save_dflash,
                                      spread_taps)
 from specjax.models.config import ModelConfig
-from specjax.models.decoder import forward, logits_from_prenorm
+from specjax.models.decoder import forward, lm_head_logits, logits_from_prenorm
 from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, heldout_scores
 from specjax.train.loop import TrainConfig
@@ -47,11 +47,16 @@ class DrafterConfig:
   ffn_dim: int | None = None         # MLP width of the drafter's layers (default: the target's)
   init_from: str | None = None       # start from this trained drafter (same taps, block, widths; it may have
                                      # fewer layers: the extra ones start silent); skipped with a note if missing
+  mask_token_id: int | None = None   # MASK = the target's embedding of this token (z-lab) instead of a learned one
+  reference_layout: bool = False     # z-lab's drafter: Qwen3 layers (QK-norm) and its own final norm, so that
+                                     # `specjax export-head` can write it (with mask_token_id)
 
   def resolve(self, cfg: ModelConfig) -> DFlashConfig:
     taps = tuple(self.taps) if self.taps else spread_taps(cfg.n_layers, self.n_taps)
+    from specjax.drafters.dflash_reference import REFERENCE_LAYER
+    ref = dict(final_norm=True, layer_fields=tuple(REFERENCE_LAYER.items())) if self.reference_layout else {}
     return DFlashConfig(taps=taps, n_layers=self.n_layers, block_size=self.block_size, window=self.window,
-                        ffn_dim=self.ffn_dim)
+                        ffn_dim=self.ffn_dim, mask_token_id=self.mask_token_id, **ref)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +160,8 @@ def make_loss_fn(cfg: ModelConfig, dc: DFlashConfig, lc: LossConfig, compute_dty
 
   @jax.checkpoint   # keep no [R, A, B-1, V] logits alive for the backward pass
   def slot_nll(tparams, h, target_h, labels):
-    logp = jax.nn.log_softmax(logits_from_prenorm(tparams, cfg, h[None])[0], axis=-1)   # [N, V]
+    draft = lm_head_logits if dc.final_norm else logits_from_prenorm     # final_norm: h is normed already
+    logp = jax.nn.log_softmax(draft(tparams, cfg, h[None])[0], axis=-1)             # [N, V]
     if target_h is not None:
       tlogits = jax.lax.stop_gradient(logits_from_prenorm(tparams, cfg, target_h[None])[0])
       tlogp = jax.nn.log_softmax(tlogits, axis=-1)
@@ -182,7 +188,10 @@ def make_loss_fn(cfg: ModelConfig, dc: DFlashConfig, lc: LossConfig, compute_dty
     target_h = None
     if lc.loss == "kl":   # the target's distribution for x_{a+k}: its logits at position a+k-1
       target_h = flat(jnp.take_along_axis(prenorm, (tgt_c - 1).reshape(r, -1, 1), axis=1).reshape(tgt.shape + (-1,)))
-    nll, hit = slot_nll(tparams, flat(h[:, :, 1:]), target_h, labels)
+    h = flat(h[:, :, 1:])                                                         # [N, D]
+    if dc.final_norm:
+      h = model_of(_cast(dparams, compute_dtype), cfg, dc).norm(h)
+    nll, hit = slot_nll(tparams, h, target_h, labels)
     nll, hit = nll.reshape(tgt.shape), hit.reshape(tgt.shape) & valid                # [R, A, B-1]
     w = weights[None, None, :] * valid
     loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-6)
@@ -313,8 +322,9 @@ def warm_start(dparams: dict, path: str | Path, cfg: ModelConfig, dc: DFlashConf
     raise ValueError(f"drafter.init_from {path}: {dc0} does not fit the config's drafter {dc} (taps, block_size "
                      f"and ffn_dim must match; it may have fewer layers)")
   out = dict(dparams)
-  for key in ("fc", "hidden_norm", "mask_embedding"):
-    out[key] = old[key]
+  for key in ("fc", "hidden_norm", "mask_embedding", "norm"):
+    if key in old and key in out:
+      out[key] = old[key]
   out["layers"] = {i: (old["layers"][i] if i < dc0.n_layers else layer) for i, layer in dparams["layers"].items()}
   return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), out)
 
