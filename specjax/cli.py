@@ -289,6 +289,8 @@ def main(argv=None) -> int:
   from specjax.bench.tune_cli import add_tune_commands
   add_bench_commands(sub)
   add_tune_commands(sub)
+  from specjax.serve.cli import add_serve_commands
+  add_serve_commands(sub)
   try:
     from specjax.train.cli import add_train_commands
   except ImportError:   # training commands arrive with specjax/train

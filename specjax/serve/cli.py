@@ -1,0 +1,126 @@
+"""`specjax serve` and `specjax bench-serve`, and `build_server`: a target + speculator -> a
+ready `Server` (slot engine, scheduler, metrics), shared by the command, the benchmark and tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specjax.errors import UserError
+
+
+def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 2048, max_queue: int = 64,
+                 chunk: int = 256, n_max: int = 8, draft_model=None, head=None, options: dict | None = None,
+                 rollback: str = "per_step"):
+  """A `Server` for `target` (a LoadedModel) with one speculator (None: plain decoding). `n_max`
+  is the widest draft any request may ask for (requests pick theirs up to it)."""
+  from specjax.drafters.base import DraftParams
+  from specjax.drafters.registry import make_speculator
+  from specjax.serve.app import Server
+  from specjax.serve.engine_adapter import SlotEngine
+  from specjax.serve.metrics import ServeMetrics
+  from specjax.serve.scheduler import Scheduler
+  if slots < 1 or capacity < 128 or max_queue < 1:
+    raise UserError(f"--slots must be >= 1, --capacity >= 128 and --max-queue >= 1, got {slots}, {capacity}, {max_queue}")
+  if getattr(target, "context_length", None) and capacity > target.context_length:
+    raise UserError(f"--capacity {capacity} exceeds the model's context of {target.context_length} tokens")
+  make = None
+  drafter = None
+  if speculator is not None:
+    dp = DraftParams(n_max=n_max)
+    make = lambda: make_speculator(speculator, target, draft_model=draft_model, draft_params=dp, head=head,
+                                   options=options)
+    drafter = make()
+  stop_ids = tuple(target.tokenizer.eos_ids) if target.tokenizer is not None else ()
+  engine = SlotEngine(target, drafter, slots=slots, capacity=capacity, chunk=chunk, stop_ids=stop_ids,
+                      rollback=rollback, host_drafter_factory=make)
+  metrics = ServeMetrics(engine.max_draft)
+  scheduler = Scheduler(engine, max_queue=max_queue, metrics=metrics, stop_ids=stop_ids)
+  return Server(scheduler, target.tokenizer, vocab=target.cfg.vocab_size, capacity=capacity,
+                model_name=getattr(target, "name", "model"), metrics=metrics)
+
+
+def _server_args(p) -> None:
+  p.add_argument("--model", default="smollm2-135m-instruct", help="fetch name, GGUF file or HF directory")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--draft-model", default=None, help="draft model for --spec draft")
+  p.add_argument("--head", default=None, help="trained head for mtp, eagle3*, dflash*")
+  p.add_argument("--spec-config", default=None, help="speculator options as JSON")
+  p.add_argument("--n-max", type=int, default=8, help="widest draft a request may ask for (default 8)")
+  p.add_argument("--slots", type=int, default=8, help="sequences generated together (default 8)")
+  p.add_argument("--capacity", type=int, default=2048, help="KV cache tokens per slot: prompt + output (default 2048)")
+  p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
+  p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens (default 256)")
+
+
+def _load(args):
+  from specjax import api
+  from specjax.cli import _check_model_name, _spec_config
+  _check_model_name(args.model, "--model")
+  options = _spec_config(args.spec_config)
+  return api.load(args.model, dtype=args.dtype), options
+
+
+def _server_from_args(args, target, options, spec):
+  return build_server(target, spec, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
+                      chunk=args.chunk, n_max=args.n_max, draft_model=args.draft_model, head=args.head,
+                      options=options)
+
+
+def cmd_serve(args) -> int:
+  import uvicorn
+  target, options = _load(args)
+  server = _server_from_args(args, target, options, args.spec)
+  print(f"serving {target.name} ({args.spec or 'plain'}, {args.slots} slots) on http://{args.host}:{args.port}")
+  uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+  return 0
+
+
+def _csv(kind):
+  def parse(s):
+    try:
+      return [kind(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {s!r}")
+  return parse
+
+
+def cmd_bench_serve(args) -> int:
+  from specjax.serve.bench_serve import BenchServeConfig, run_bench
+  if not args.concurrency and not args.rate:
+    args.concurrency = [1, 8, 32, 64]
+  cfg = BenchServeConfig(methods=[None] + list(args.spec or []) if not args.no_plain else list(args.spec or []),
+                         concurrency=args.concurrency or [], rates=args.rate or [], num_prompts=args.num_prompts,
+                         max_tokens=args.max_tokens, dataset=args.dataset, url=args.url, out=args.out,
+                         seed=args.seed, temperature=args.temperature)
+  if not cfg.methods:
+    raise UserError("nothing to measure: --no-plain needs at least one --spec")
+  target, options = (None, None) if args.url else _load(args)
+  result = run_bench(cfg, lambda spec: _server_from_args(args, target, options, spec))
+  print(json.dumps(result["summary"], indent=1))
+  return 0
+
+
+def add_serve_commands(sub) -> None:
+  s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and speculative slots")
+  _server_args(s)
+  s.add_argument("--spec", default=None, help="speculator (or chain); requests may turn it off or narrow it")
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=8000)
+  s.set_defaults(func=cmd_serve)
+
+  b = sub.add_parser("bench-serve", help="load-test a server: TTFT, TPOT, throughput and tau per concurrency level")
+  _server_args(b)
+  b.add_argument("--spec", action="append", default=None,
+                 help="a speculator to compare with plain decoding (repeatable; each gets its own server)")
+  b.add_argument("--no-plain", action="store_true", help="skip the plain-decoding server")
+  b.add_argument("--concurrency", type=_csv(int), default=None, help="fixed concurrency levels (default 1,8,32,64)")
+  b.add_argument("--rate", type=_csv(float), default=None, help="Poisson arrival rates, requests/s")
+  b.add_argument("--num-prompts", type=int, default=64, help="requests per level (default 64)")
+  b.add_argument("--max-tokens", type=int, default=128)
+  b.add_argument("--temperature", type=float, default=0.0)
+  b.add_argument("--dataset", default="mt_bench", help="prompt set (specjax.io.datasets; default mt_bench)")
+  b.add_argument("--url", default=None, help="measure a running server instead of starting one")
+  b.add_argument("--seed", type=int, default=0)
+  b.add_argument("--out", default="experiments/results/bench_serve", help="output prefix: .json and .png")
+  b.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,90 @@
+"""Server metrics in the Prometheus text format (`prometheus_client`, one registry per server).
+
+Updated by the model thread (rounds, first tokens, finished requests) and read by `/metrics`:
+tokens/s over a sliding window, tau (tokens emitted per slot-round), acceptance by draft
+position, queue length and running slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+WINDOW_S = 10.0   # tokens/s is measured over the last WINDOW_S seconds of rounds
+
+
+class ServeMetrics:
+  """The counters, gauges and histograms of one server."""
+
+  def __init__(self, max_draft: int):
+    self.registry = r = CollectorRegistry()
+    self.content_type = CONTENT_TYPE_LATEST
+    self.tokens = Counter("specjax_generated_tokens", "tokens emitted to requests", registry=r)
+    self.rounds = Counter("specjax_rounds", "rounds run over the slot batch", registry=r)
+    self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
+    self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
+    self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
+    self.requests = Counter("specjax_requests", "finished requests by reason", ["reason"], registry=r)
+    self.rejected = Counter("specjax_rejected_requests", "requests refused (400 malformed, 429 queue full)",
+                            ["code"], registry=r)
+    self.tps = Gauge("specjax_tokens_per_second", f"tokens emitted per second over the last {WINDOW_S:g} s",
+                     registry=r)
+    self.tau = Gauge("specjax_tau", "tokens emitted per slot-round since start (1 = no speculation gain)",
+                     registry=r)
+    self.by_pos = Gauge("specjax_acceptance_by_position", "accepted / drafted at each draft position",
+                        ["position"], registry=r)
+    self.queue = Gauge("specjax_queue_length", "requests waiting for a slot", registry=r)
+    self.running = Gauge("specjax_running_slots", "slots generating", registry=r)
+    self.ttft = Histogram("specjax_time_to_first_token_seconds", "submission to first token", registry=r,
+                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+    self._pos = [[0, 0] for _ in range(max_draft)]      # [drafted, accepted] per position
+    self._window: collections.deque[tuple[float, int]] = collections.deque()
+    self._emitted = self._slot_rounds = 0
+    self._lock = threading.Lock()
+
+  def round(self, emitted: int, seconds: float) -> None:
+    """One round over the batch emitted `emitted` tokens in all."""
+    now = time.perf_counter()
+    with self._lock:
+      self.rounds.inc()
+      self._window.append((now, emitted))
+      while self._window and self._window[0][0] < now - WINDOW_S:
+        self._window.popleft()
+      span = max(now - self._window[0][0], seconds, 1e-6)
+      self.tps.set(sum(n for _, n in self._window) / span)
+
+  def round_of_slot(self, drafted: int, accepted: int, emitted: int) -> None:
+    """One live slot's share of a round."""
+    with self._lock:
+      self.tokens.inc(emitted)
+      self.slot_rounds.inc()
+      self.drafted.inc(drafted)
+      self.accepted.inc(accepted)
+      self._emitted += emitted
+      self._slot_rounds += 1
+      self.tau.set(self._emitted / self._slot_rounds)
+      for i, pos in enumerate(self._pos):
+        pos[0] += i < drafted
+        pos[1] += i < accepted
+        if pos[0]:
+          self.by_pos.labels(position=str(i)).set(pos[1] / pos[0])
+
+  def first_token(self, seconds: float) -> None:
+    self.ttft.observe(seconds)
+
+  def request_done(self, reason: str, n_out: int) -> None:
+    self.requests.labels(reason=reason).inc()
+
+  def refused(self, code: int) -> None:
+    self.rejected.labels(code=str(code)).inc()
+
+  def set_load(self, queue: int, running: int) -> None:
+    self.queue.set(queue)
+    self.running.set(running)
+
+  def render(self) -> bytes:
+    return generate_latest(self.registry)
