@@ -1,0 +1,156 @@
+"""The server: continuous batching is lossless per request (streamed greedy tokens through the
+official `openai` client equal offline greedy generation of each prompt alone), per-request
+speculative fields change only that request's drafting, and a bounded load test (valid,
+cancelled and malformed requests) leaves the server healthy with every valid request answered."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+from conftest import TINY_LLAMA, random_params
+from specjax.models.load import LoadedModel
+from specjax.serve.app import run_in_thread
+from specjax.serve.cli import build_server
+from specjax.serve.scheduler import GenRequest, QueueFull, Scheduler
+
+PROMPTS = ["List the days of the week, then list them again.", "Count from one to twelve in words."]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def real_server(smollm2_jax):
+  """SmolLM2 behind the server: ngram_simple (size_n 2, drafts up to 4), 4 slots."""
+  server = build_server(smollm2_jax, "ngram_simple", slots=4, capacity=256, n_max=4, chunk=64,
+                        options={"size_n": 2})
+  http, url = run_in_thread(server.app())
+  yield server, url
+  http.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_jax):
+  """Offline plain greedy generation of each prompt alone (`api.generate`)."""
+  from specjax import api
+  return [api.generate(smollm2_jax, [p], max_new_tokens=MAX_NEW).tokens[0] for p in PROMPTS]
+
+
+def _stream(url: str, prompt: str, **extra) -> tuple[list[int], str, dict]:
+  """One streamed chat completion through the openai client -> (token ids, text, usage)."""
+  import openai
+  client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+  ids, text, usage = [], [], None
+  stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_NEW, temperature=0.0, stream=True,
+                                          stream_options={"include_usage": True}, **extra)
+  for chunk in stream:
+    if chunk.usage is not None:
+      usage = chunk.usage.model_extra["speculative"]
+    for c in chunk.choices:
+      ids += (c.model_extra or {}).get("token_ids") or []
+      text.append(c.delta.content or "")
+  return ids, "".join(text), usage
+
+
+@pytest.mark.real
+def test_concurrent_streams_equal_offline_greedy(real_server, offline, smollm2_jax):
+  _, url = real_server
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(lambda p: _stream(url, p), PROMPTS))
+  for (ids, text, usage), want in zip(results, offline):
+    assert ids == want
+    assert text == smollm2_jax.tokenizer.decode(want)
+    assert usage["enabled"] and usage["rounds"] >= 1
+
+
+@pytest.mark.real
+def test_speculative_fields_change_only_their_request(real_server, offline):
+  _, url = real_server
+  off = {"extra_body": {"speculative": {"enabled": False}}}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    spec_on = pool.submit(_stream, url, PROMPTS[0])
+    spec_off = pool.submit(_stream, url, PROMPTS[1], **off)
+    (ids_on, _, u_on), (ids_off, _, u_off) = spec_on.result(), spec_off.result()
+  assert ids_on == offline[0] and ids_off == offline[1]      # both still lossless
+  assert u_off["draft_tokens"] == 0 and not u_off["enabled"]
+  assert u_off["rounds"] == len(ids_off) - 1                 # one token per round, after the prefill's
+  assert u_on["draft_tokens"] > 0 and u_on["rounds"] < len(ids_on) - 1   # the other one kept drafting
+  narrow = _stream(url, PROMPTS[0], extra_body={"speculative": {"n_max": 1}})[2]
+  assert 0 < narrow["draft_tokens"] <= narrow["rounds"] and len(narrow["acceptance_by_position"]) == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+  target = LoadedModel("tiny", TINY_LLAMA, random_params(TINY_LLAMA, seed=0))
+  server = build_server(target, "ngram_simple", slots=8, capacity=128, n_max=4, max_queue=512,
+                        options={"size_n": 2})
+  http, url = run_in_thread(server.app())
+  yield server, url
+  http.should_exit = True
+
+
+MALFORMED = [b"{not json", json.dumps({"prompt": []}), json.dumps({"prompt": [1, 2], "temperature": -1}),
+             json.dumps({"prompt": [1, 99]}), json.dumps({"prompt": [1], "speculative": {"n_max": 99}}),
+             json.dumps({"prompt": [1], "max_tokens": 0}), json.dumps([1, 2]),
+             json.dumps({"prompt": [1], "speculative": {"bogus": 1}})]
+
+
+async def _one(client: httpx.AsyncClient, i: int) -> tuple[str, int, int]:
+  """Request i of the load test: malformed, cancelled mid-stream, streamed or whole."""
+  if i % 10 == 3:
+    r = await client.post("/v1/completions", content=MALFORMED[i // 10 % len(MALFORMED)])
+    return "malformed", r.status_code, len(r.json()["error"]["message"])
+  body = {"prompt": [1 + i % 13, 2, 3 + i % 5], "max_tokens": 3 + i % 4, "temperature": 0.0 if i % 2 else 0.7,
+          "seed": i, "stream": i % 10 in (1, 5, 7)}
+  if i % 10 == 7:   # cancelled: leave after the first chunk
+    async with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 60}) as r:
+      async for _ in r.aiter_lines():
+        break
+    return "cancelled", r.status_code, 0
+  if body["stream"]:
+    n = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+      async for line in r.aiter_lines():
+        if line.startswith("data: {"):
+          n += len(json.loads(line[6:])["choices"][0]["token_ids"])
+    return "valid", r.status_code, n - body["max_tokens"]
+  r = await client.post("/v1/completions", json=body)
+  return "valid", r.status_code, r.json()["usage"]["completion_tokens"] - body["max_tokens"]
+
+
+async def _load(url: str, n: int, concurrency: int):
+  limit = asyncio.Semaphore(concurrency)
+  async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async def guarded(i):
+      async with limit:
+        return await _one(client, i)
+    return await asyncio.gather(*(guarded(i) for i in range(n)))
+
+
+def test_load_cancel_malformed_then_healthy(tiny_server):
+  server, url = tiny_server
+  results = asyncio.run(_load(url, 200, 24))
+  kinds = {k: [r for r in results if r[0] == k] for k in ("valid", "cancelled", "malformed")}
+  assert all(code == 200 and short == 0 for _, code, short in kinds["valid"]), kinds["valid"]
+  assert all(code == 400 and msg > 10 for _, code, msg in kinds["malformed"])
+  assert len(kinds["valid"]) == 160 and len(kinds["cancelled"]) == 20 and len(kinds["malformed"]) == 20
+  health = httpx.get(f"{url}/health").json()
+  assert health["status"] == "ok" and health["waiting"] == 0
+  metrics = httpx.get(f"{url}/metrics").text
+  for name in ("specjax_tokens_per_second", "specjax_tau", "specjax_acceptance_by_position",
+               "specjax_queue_length", "specjax_running_slots"):
+    assert name in metrics
+  assert 'specjax_requests_total{reason="cancelled"}' in metrics
+
+
+def test_full_queue_refuses(tiny_server):
+  """Past max_queue waiting requests, submit raises QueueFull (HTTP 429)."""
+  server, _ = tiny_server
+  sched = Scheduler(server.scheduler.engine, max_queue=1)       # not started: nothing leaves the queue
+  sched.submit(GenRequest([1, 2]), lambda e: None)
+  with pytest.raises(QueueFull):
+    sched.submit(GenRequest([1, 2]), lambda e: None)
