@@ -22,6 +22,12 @@ positions < target_len - 1; the entry at target_len - 1 pairs the target's newes
 so `propose` writes it first (into every head), then drafts. `commit` rolls every cache back to
 target_len (dropping draft entries) and writes the accepted tokens with the target's hidden states
 from verification: the head then never conditions on its own guesses for committed positions.
+
+Reference styles (`MTPDrafter.style`, heads loaded by `specjax/drafters/mtp_reference.py`): as
+vLLM runs DeepSeek-V3's and Qwen3-Next's MTP layers, the committed entries read the target's
+hidden state *after* its final norm, each head has its own final norm (and DeepSeek's its own LM
+head copy, `weights["out"]`), step j uses head j % n_heads; "deepseek_v3" feeds the pre-norm
+output back and zeroes the embedding at position 0, "qwen3_next" feeds the normed output back.
 """
 
 from __future__ import annotations
@@ -41,8 +47,17 @@ from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResul
 from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
-from specjax.models.decoder import Block, attention_masks, embed_tokens, logits_from_prenorm
+from specjax.models.decoder import (Block, attention_masks, embed_tokens, final_norm, lm_head_logits,
+                                   logits_from_prenorm)
 from specjax.models.layers import Linear, RMSNorm
+
+
+def rms_norm(x, weight, eps: float, offset: bool):
+  """RMSNorm of x [..., D] with a weight [D] held outside a module (as RMSNorm computes it)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  w = weight.astype(jnp.float32) + (1.0 if offset else 0.0)
+  return (xf * w).astype(x.dtype)
 from specjax.models.weights import FUSED
 from specjax.models.kv_cache import KVCache
 
@@ -130,9 +145,9 @@ def head_step(hparams, cfg: ModelConfig, emb, h, cache: KVCache, positions, n_ne
   return out, KVCache(k=(k,), v=(v,), lengths=cache.lengths + jnp.asarray(n_new, jnp.int32))
 
 
-def head_for_step(j: int, n_heads: int) -> int:
-  """Drafting step j uses head min(j, n_heads - 1)."""
-  return min(j, n_heads - 1)
+def head_for_step(j: int, n_heads: int, cycle: bool = False) -> int:
+  """Drafting step j uses head min(j, n_heads - 1) (specjax), or j % n_heads (`cycle`: vLLM's MTP)."""
+  return j % n_heads if cycle else min(j, n_heads - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,19 +174,44 @@ class MTPDrafter(DeviceDrafter):
                                   # False: a while_loop that stops once every sequence fell below p_min
   name: str = "mtp"
   taps: tuple[int, ...] = ()
+  style: str = "specjax"          # "specjax" | "deepseek_v3" | "qwen3_next" (see the module docstring)
 
   def params(self):
     return self.weights
+
+  def _hidden(self, tp, prenorm):
+    """The target hidden state the committed entries read [B, T, D]."""
+    return prenorm if self.style == "specjax" else final_norm(tp, self.cfg, prenorm)
+
+  def _embed(self, tp, tokens, positions):
+    """Token embeddings [B, T, D]; zero at position 0 in the DeepSeek style (vLLM's deepseek_mtp)."""
+    emb = embed_tokens(tp, self.cfg, tokens)
+    return jnp.where((positions == 0)[..., None], 0.0, emb) if self.style == "deepseek_v3" else emb
+
+  def _pick(self, dparams, m: int, o):
+    """Head m's output o [B, 1, D] -> (greedy token [B], its probability [B], the state fed on)."""
+    tp = dparams["target"]
+    if self.style == "specjax":
+      logits, fed = logits_from_prenorm(tp, self.cfg, o), o
+    else:
+      out = dparams["out"][m]
+      normed = rms_norm(o, out["norm"], self.cfg.norm_eps, self.cfg.norm_offset)   # [B, 1, D]
+      logits = (lm_head_logits(tp, self.cfg, normed) if "lm_head" not in out else
+                jnp.einsum("btd,vd->btv", normed.astype(out["lm_head"].dtype), out["lm_head"],
+                           preferred_element_type=jnp.float32))                  # [B, 1, V]
+      fed = normed if self.style == "qwen3_next" else o
+    probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1), fed
 
   def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity: int) -> MTPState:
     """Warm every head on the prompt: entries (h_p, x_{p+1}) for p < prompt_len - 1; h at
     prompt_len - 1 waits (`pending`) for the first sampled token."""
     tp, heads = dparams["target"], dparams["heads"]
     b, t = prompt_tokens.shape
-    prenorm = prefill_taps["prenorm"]                                               # [B, T, D]
+    prenorm = self._hidden(tp, prefill_taps["prenorm"])                             # [B, T, D]
     nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)   # [B, T]
-    emb = embed_tokens(tp, self.cfg, nxt)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    emb = self._embed(tp, nxt, positions)
     n_new = jnp.maximum(prompt_lens - 1, 0)
     dtype = jax.tree_util.tree_leaves(heads)[0].dtype
     caches = []
@@ -188,26 +228,24 @@ class MTPDrafter(DeviceDrafter):
     base_pos = ctx.target_len - 1                                                   # [B] position i
     ones = jnp.ones((b,), jnp.int32)
 
-    def pick(h):   # h [B, 1, D] -> greedy token and its probability under the head
-      probs = jax.nn.softmax(logits_from_prenorm(tp, self.cfg, h)[:, 0].astype(jnp.float32), axis=-1)
-      return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
+    cycle = self.style != "specjax"
 
     # step 0: the committed entry (pending, last) at position i, written into every head
-    emb = embed_tokens(tp, self.cfg, ctx.last[:, None])                             # [B, 1, D]
+    emb = self._embed(tp, ctx.last[:, None], base_pos[:, None])                     # [B, 1, D]
     caches = list(dstate.caches)
     out = None
     for m in range(nh):
       o, caches[m] = head_step(heads[m], self.cfg, emb, dstate.pending[:, None], caches[m], base_pos[:, None], ones)
       out = o if m == 0 else out
-    tok0, conf0 = pick(out)
+    tok0, conf0, out = self._pick(dparams, 0, out)
     active0 = (conf0 >= ctx.p_min) & (ctx.n_max > 0)
     tokens0 = jnp.zeros((b, k), jnp.int32).at[:, 0].set(tok0)
 
     def run_head(m, h, tok, caches, j):
-      emb = embed_tokens(tp, self.cfg, tok[:, None])
+      emb = self._embed(tp, tok[:, None], (base_pos + j)[:, None])
       caches = list(caches)
       o, caches[m] = head_step(heads[m], self.cfg, emb, h, caches[m], (base_pos + j)[:, None], ones)
-      return o, tuple(caches)
+      return (*self._pick(dparams, m, o), tuple(caches))
 
     def cond(c):
       j, _, _, _, active, _ = c
@@ -217,11 +255,11 @@ class MTPDrafter(DeviceDrafter):
       j, h, caches, tokens, active, lengths = c
       prev = jax.lax.dynamic_index_in_dim(tokens, j - 1, axis=1, keepdims=False)    # [B]
       if static_j is not None or nh == 1:
-        o, caches = run_head(head_for_step(static_j or 0, nh), h, prev, caches, j)
+        tok, conf, o, caches = run_head(head_for_step(static_j or 0, nh, cycle), h, prev, caches, j)
       else:
         branches = [functools.partial(run_head, m) for m in range(nh)]
-        o, caches = jax.lax.switch(jnp.minimum(j, nh - 1), branches, h, prev, caches, j)
-      tok, conf = pick(o)
+        index = j % nh if cycle else jnp.minimum(j, nh - 1)
+        tok, conf, o, caches = jax.lax.switch(index, branches, h, prev, caches, j)
       active = active & (conf >= ctx.p_min) & (j < ctx.n_max)
       tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, j, axis=1)
       return j + 1, o, caches, tokens, active, lengths + active.astype(jnp.int32)
@@ -242,15 +280,16 @@ class MTPDrafter(DeviceDrafter):
     n = jnp.where(result.live, result.n_accepted, 0)                                # [B]
     k = result.verified.shape[1] - 1
     base = dstate.base
-    emb = embed_tokens(tp, self.cfg, result.verified[:, 1:])                        # [B, K, D] d1..dK
-    h = result.prenorm[:, :k]                                                       # [B, K, D] at last, d1..
+    hidden = self._hidden(tp, result.prenorm)                                       # [B, K+1, D]
+    h = hidden[:, :k]                                                               # [B, K, D] at last, d1..
     positions = base[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    emb = self._embed(tp, result.verified[:, 1:], positions)                        # [B, K, D] d1..dK
     new_len = jnp.where(result.live, base + n, base - 1)
     caches = []
     for hp, cache in zip(heads, dstate.caches):
       _, cache = head_step(hp, self.cfg, emb, h, cache.with_lengths(base), positions, n)
       caches.append(cache.with_lengths(new_len))
-    at_n = jnp.take_along_axis(result.prenorm, n[:, None, None], axis=1)[:, 0]       # [B, D]
+    at_n = jnp.take_along_axis(hidden, n[:, None, None], axis=1)[:, 0]               # [B, D]
     pending = jnp.where(result.live[:, None], at_n.astype(dstate.pending.dtype), dstate.pending)
     return MTPState(caches=tuple(caches), pending=pending, base=base)
 
@@ -336,14 +375,23 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
 
 def make_mtp_drafter(target, head, draft_params=None, **opts) -> MTPDrafter:
   """The `mtp` speculator for a loaded target and a head path (or loaded heads); `opts` are
-  MTPDrafter fields (e.g. unroll=False)."""
+  MTPDrafter fields (e.g. unroll=False). A DeepSeek-V3 / Qwen3-Next layout folder loads too (and
+  `head` may be (heads, outs, style) of such heads)."""
+  from specjax.drafters import mtp_reference
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
-  if isinstance(head, (str, Path)):
+  cast = lambda tree: jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), tree)
+  extra = {}
+  if isinstance(head, (str, Path)) and mtp_reference.is_reference_folder(head):
+    heads, outs, style, _ = mtp_reference.load_reference(head, target.cfg, dtype=dtype)
+    extra, opts = {"out": outs}, {"style": style, **opts}
+  elif isinstance(head, tuple) and len(head) == 3 and isinstance(head[2], str):
+    heads, extra, opts = cast(head[0]), {"out": cast(head[1])}, {"style": head[2], **opts}
+  elif isinstance(head, (str, Path)):
     heads, _ = load_heads(head, target.cfg, dtype=dtype)
   else:
-    heads = tuple(jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), h) for h in head)
+    heads = tuple(cast(h) for h in head)
   n_max = 4
   if draft_params is not None:
     n_max = int(np.max(np.asarray(draft_params.n_max)))
   return MTPDrafter(cfg=target.cfg, n_heads=len(heads), max_draft=max(n_max, 1),
-                    weights={"heads": tuple(heads), "target": target.params}, **opts)
+                    weights={"heads": tuple(heads), "target": target.params, **extra}, **opts)
