@@ -16,8 +16,11 @@ import dataclasses
 import os
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax import parallel
 from specjax.engine import request
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
@@ -29,11 +32,30 @@ from specjax.engine.sampling import SamplingParams
 from specjax.engine.stats import SpecStats
 
 
-def load(name_or_path: str, dtype: str = "float32") -> LoadedModel:
-  """Load a model by fetch name (downloaded on first use), GGUF path or HF directory."""
+def load(name_or_path: str, dtype: str = "float32", mesh=None) -> LoadedModel:
+  """Load a model by fetch name (downloaded on first use), GGUF path or HF directory.
+
+  mesh: None (one device), a spec such as "data=2,model=4", or a `jax.sharding.Mesh` with axes
+  ("data", "model"): the parameters are sharded over it (`specjax.parallel`), read on the host and
+  written straight to their shards, and `generate` runs the batch over "data"."""
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise UserError(f"model must be a fetch name or a path, got {type(name_or_path).__name__}")
-  return load_model(str(name_or_path), dtype=jnp.dtype(request.check_choice("dtype", str(dtype), request.DTYPES)))
+  dt = jnp.dtype(request.check_choice("dtype", str(dtype), request.DTYPES))
+  mesh = parallel.as_mesh(mesh)
+  if mesh is None:
+    return load_model(str(name_or_path), dtype=dt)
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):   # host memory: no device holds a whole copy
+    model = load_model(str(name_or_path), dtype=dt)
+  return shard(model, mesh)
+
+
+def shard(model: LoadedModel, mesh) -> LoadedModel:
+  """`model` with its parameters sharded over `mesh` (a spec string or a Mesh); the model axis
+  must divide its attention and KV heads (a UserError says which sizes would)."""
+  mesh = parallel.as_mesh(mesh)
+  if mesh is None:
+    return model
+  return dataclasses.replace(model, params=parallel.place_params(model.params, mesh, model.cfg), mesh=mesh)
 
 
 @dataclasses.dataclass
@@ -103,6 +125,28 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   request.check_tokens(tokens, target.cfg.vocab_size)
   request.check_context(tokens, max_new_tokens, getattr(target, "context_length", None))
   stop_ids = tuple(target.tokenizer.eos_ids) if (stop_at_eos and target.tokenizer is not None) else ()
+  mesh = getattr(target, "mesh", None)
+  with parallel.use(mesh):
+    out_tokens, stats, seconds = _run(target, tokens, speculator, sampling, draft_params, max_new_tokens, stop_ids,
+                                      draft_model, head, capacity, rollback, adaptive, options, mesh)
+  texts = None
+  if target.tokenizer is not None:
+    texts = [target.tokenizer.decode(t) for t in out_tokens]
+  return Output(tokens=out_tokens, texts=texts, stats=stats, seconds=seconds)
+
+
+def _run(target, tokens, speculator, sampling, draft_params, max_new_tokens, stop_ids, draft_model, head, capacity,
+         rollback, adaptive, options, mesh):
+  """The engine call of `generate` -> (tokens per prompt, stats or None, seconds). On a mesh whose
+  data axis does not divide the batch, rows repeating the last prompt pad it (they are dropped
+  from the output; speculation stats count them)."""
+  b = len(tokens)
+  bp = parallel.padded_batch(b, mesh)
+  if bp > b:
+    tokens = tokens + [tokens[-1]] * (bp - b)
+    sampling = SamplingParams(*(_pad_rows(a, b, bp) for a in dataclasses.astuple(sampling)))
+    if draft_params is not None:
+      draft_params = DraftParams(**{k: _pad_rows(v, b, bp) for k, v in dataclasses.asdict(draft_params).items()})
   if speculator is None:
     r = generate_plain(target.params, target.cfg, tokens, max_new_tokens=max_new_tokens, sampling=sampling,
                        stop_ids=stop_ids, capacity=capacity)
@@ -110,12 +154,19 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   else:
     drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head,
                               options=options)
+    drafter = parallel.place_drafter(drafter, target.params, mesh)
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
                              sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity,
                              rollback=rollback, adaptive=adaptive)
     stats, seconds, out_tokens = r.stats, r.seconds, r.tokens
-  texts = None
-  if target.tokenizer is not None:
-    texts = [target.tokenizer.decode(t) for t in out_tokens]
-  return Output(tokens=out_tokens, texts=texts, stats=stats, seconds=seconds)
+  return out_tokens[:b], stats, seconds
+
+
+def _pad_rows(x, b: int, bp: int):
+  """A per-sequence value [b, ...] padded to bp rows by repeating its last row; scalars as they are."""
+  if np.ndim(x) == 0 or np.shape(x)[0] != b:
+    return x
+  a = np.asarray(x)
+  return np.concatenate([a, np.repeat(a[-1:], bp - b, axis=0)]) if isinstance(x, (list, tuple, np.ndarray)) \
+      else jnp.concatenate([x, jnp.repeat(x[-1:], bp - b, axis=0)])

@@ -21,6 +21,7 @@ class LoadedModel:
   tokenizer: Any = None
   source: str = ""
   context_length: int | None = None   # trained positions (max_position_embeddings); None = unknown
+  mesh: Any = None          # the jax.sharding.Mesh its params are sharded over (specjax.parallel); None = one device
 
 
 def resolve_path(name_or_path: str) -> Path:

@@ -11,6 +11,11 @@ jitted step (params and optimizer state donated), orbax checkpoints every `ckpt_
 resume from the newest, metrics as JSON lines, and a tqdm bar. Batches are a function of the step
 index (not an iterator's position), so a resumed run sees exactly the batches an uninterrupted
 run would have seen, and ends with the same parameters.
+
+With a `mesh` (`specjax.parallel`) the step is data-parallel: each batch is split over "data", the
+frozen target is sharded like inference (its features are extracted tensor-parallel), the trained
+head is replicated (its gradients are averaged by XLA's all-reduce), and checkpoints hold the
+sharded arrays (orbax writes each shard from the device that has it, and restores onto the mesh).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from specjax import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +114,14 @@ class Checkpoints:
     self.manager.save(step, args=self._ocp.args.StandardSave(tree))
     self.manager.wait_until_finished()
 
-  def restore(self, step: int, like):
+  def restore(self, step: int, like, sharded: bool = False):
     """The tree saved at `step`, shaped like `like`, as uncommitted arrays (as fresh ones are:
-    committed arrays would make the jitted step compile a second time)."""
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+    committed arrays would make the jitted step compile a second time); with `sharded`, on the
+    shardings of `like` (a run on a mesh), each device reading its own shards."""
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), like)
     tree = self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), tree)
+    return tree if sharded else jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), tree)
 
   def close(self):
     self.manager.close()
@@ -140,23 +149,26 @@ def _event_writer(folder: Path, log_name: str):
 
 def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], tc: TrainConfig,
           out_dir: str | Path, *, resume: bool = True, stop_at: int | None = None,
-          progress: bool = True, log_name: str = "metrics.jsonl") -> TrainResult:
+          progress: bool = True, log_name: str = "metrics.jsonl", mesh=None) -> TrainResult:
   """Train `params` for `tc.steps` steps (or until `stop_at`, for a deliberately interrupted run),
   checkpointing to `out_dir/checkpoints` and logging to `out_dir/metrics.jsonl` (and TensorBoard
   event files under `out_dir/tensorboard`). With `resume`,
-  continue from the newest checkpoint there."""
+  continue from the newest checkpoint there. `mesh` (a spec such as "data=2,model=2", or a Mesh):
+  data-parallel training over it (`place_for_training`)."""
   from tqdm.auto import tqdm
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   opt, step_fn = make_train_step(loss_fn, tc)
   sched = schedule(tc)
   params = jax.tree_util.tree_map(jnp.array, params)    # a copy: the step donates its buffers
-  opt_state = opt.init(params)
+  mesh = parallel.as_mesh(mesh)
+  params, frozen = place_for_training(params, frozen, mesh)
+  opt_state = opt.init(params) if mesh is None else parallel.replicate(opt.init(params), mesh)   # as the head is
   ckpts = Checkpoints(out / "checkpoints", keep=tc.keep_ckpts)
   start, resumed = 0, None
   if resume and ckpts.latest() is not None:
     resumed = start = ckpts.latest()
-    state = ckpts.restore(start, {"params": params, "opt_state": opt_state})
+    state = ckpts.restore(start, {"params": params, "opt_state": opt_state}, sharded=mesh is not None)
     params, opt_state = state["params"], state["opt_state"]
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   log_path = out / log_name
@@ -172,7 +184,7 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
   board = _event_writer(out / "tensorboard", log_name)
   with open(log_path, "a") as log:
     for step in range(start, end):
-      batch = {k: jnp.asarray(v) for k, v in get_batch(step).items()}
+      batch = batch_on(get_batch(step), mesh)
       lr = jnp.float32(sched(step))
       params, opt_state, metrics = step_fn(params, opt_state, frozen, batch, jnp.int32(step), lr, jnp.uint32(tc.seed))
       pending.append((step + 1, metrics))
@@ -196,6 +208,27 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
   ckpts.close()
   return TrainResult(params=params, step=end, metrics=last, seconds=time.perf_counter() - t0,
                      resumed_from=resumed)
+
+
+def place_for_training(params, frozen, mesh):
+  """(trained params replicated, frozen tree sharded by parameter path) on `mesh`; as they are
+  without one. Replicated heads keep the optimizer step local (no sharded optimizer state)."""
+  if mesh is None:
+    return params, frozen
+  from specjax.parallel import partition
+  return parallel.replicate(params, mesh), partition.place(frozen, partition.param_shardings(frozen, mesh))
+
+
+def batch_on(batch: dict, mesh) -> dict:
+  """A host batch {name: [B, ...]} as device arrays: rows split over "data" on a mesh (data must
+  divide the batch size), one device without."""
+  if mesh is None:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+  data = parallel.axis_size(mesh, parallel.DATA)
+  bad = {k: np.shape(v)[0] for k, v in batch.items() if np.ndim(v) and np.shape(v)[0] % data}
+  if bad:
+    raise ValueError(f"the batch rows {bad} must divide by the mesh's data axis ({data})")
+  return parallel.shard_batch(dict(batch), mesh)
 
 
 def plot_metrics(jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
