@@ -190,7 +190,8 @@ class SlotEngine:
     width = round_up(rest, CHUNK_BUCKET)
     toks = np.zeros((1, width), np.int32)
     toks[0, :rest] = j.prompt[j.offset:]
-    full = np.zeros((1, round_up(len(j.prompt), CHUNK_BUCKET)), np.int32)
+    # chunked: the history row is capacity-wide, so one program per last-chunk width serves every prompt
+    full = np.zeros((1, self.capacity if self.chunked else width), np.int32)
     full[0, :len(j.prompt)] = j.prompt
     return _prefill_last(self.params, self.dparams, j.cache, jnp.asarray(toks), jnp.asarray([rest], jnp.int32),
                          jnp.asarray(full), jnp.asarray([len(j.prompt)], jnp.int32), j.sampling, self.stop,
@@ -216,6 +217,17 @@ class SlotEngine:
       self.host[slot].begin([j.prompt.tolist()])
     first, done = jax.device_get((state1.last[0], state1.done[0]))
     return int(first), bool(done)
+
+  def warm(self) -> None:
+    """Compile the prefill programs (every last-chunk width up to the chunk, and a full chunk) now,
+    so a server's first requests do not pay for them; the slot batch is untouched."""
+    widths = range(CHUNK_BUCKET, self.chunk + 1, CHUNK_BUCKET) if self.chunked else [CHUNK_BUCKET]
+    lengths = list(widths) + ([self.chunk + 1] if self.chunked and self.chunk + 1 < self.capacity // 2 else [])
+    for n in lengths:
+      j = self.begin_join([0] * n, max_new=1)
+      while (out := self.prefill_step(j)) is None:
+        pass
+      jax.block_until_ready(out)
 
   def finish(self, slots: list[int]) -> None:
     """Free slots (finished, cancelled or disconnected): masked from the next round on."""

@@ -1,0 +1,188 @@
+"""`specjax bench-serve`: what speculation does under load.
+
+For each method (plain decoding, then each speculator), a server is started in-process (or a
+given URL is used) and driven by streamed chat requests with MT-bench prompts, either at fixed
+concurrency (N clients, each sending its next request when the last one ends) or as a Poisson
+process at given rates. Per level it reports time to first token, time per output token (after
+the first), output throughput and tau (tokens per slot-round, from each response's usage), as
+JSON beside a PNG of throughput against concurrency (or rate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class BenchServeConfig:
+  methods: list                  # None = plain decoding; else a speculator name
+  concurrency: list[int]
+  rates: list[float]
+  num_prompts: int = 64
+  max_tokens: int = 128
+  dataset: str = "mt_bench"
+  url: str | None = None
+  out: str = "experiments/results/bench_serve"
+  seed: int = 0
+  temperature: float = 0.0
+
+
+@dataclasses.dataclass
+class Sample:
+  """One request as the client saw it."""
+  ok: bool
+  ttft: float = 0.0             # s from sending to the first token
+  latency: float = 0.0          # s from sending to the last byte
+  n_out: int = 0
+  rounds: int = 0
+
+
+def prompts_of(dataset: str, n: int, seed: int) -> list[str]:
+  """n first-turn prompts of the set (cycled when it has fewer), in a seeded order."""
+  from specjax.bench.prompts import load_prompt_set
+  turns = [q.turns[0] for q in load_prompt_set(dataset)]
+  random.Random(seed).shuffle(turns)
+  return [turns[i % len(turns)] for i in range(n)]
+
+
+async def _request(client, prompt: str, cfg: BenchServeConfig, method) -> Sample:
+  """One streamed chat completion; tokens counted by their ids, tau from the final usage."""
+  body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.max_tokens,
+          "temperature": cfg.temperature, "seed": cfg.seed, "stream": True,
+          "stream_options": {"include_usage": True}}
+  t0 = time.perf_counter()
+  s = Sample(ok=False)
+  async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    if r.status_code != 200:
+      await r.aread()
+      return s
+    async for line in r.aiter_lines():
+      if not line.startswith("data: {"):
+        continue
+      ev = json.loads(line[6:])
+      for c in ev.get("choices", []):
+        n = len(c.get("token_ids") or [])
+        if n and not s.n_out:
+          s.ttft = time.perf_counter() - t0
+        s.n_out += n
+      if ev.get("usage"):
+        s.rounds = ev["usage"].get("speculative", {}).get("rounds", 0)
+  s.latency, s.ok = time.perf_counter() - t0, s.n_out > 0
+  return s
+
+
+async def _fixed(client, prompts, cfg, method, level: int, bar) -> list[Sample]:
+  """`level` clients, each sending its next prompt when its last request ends."""
+  queue = list(prompts)
+  out: list[Sample] = []
+
+  async def worker():
+    while queue:
+      out.append(await _request(client, queue.pop(), cfg, method))
+      bar.update(1)
+  await asyncio.gather(*(worker() for _ in range(level)))
+  return out
+
+
+async def _poisson(client, prompts, cfg, method, rate: float, bar) -> list[Sample]:
+  """Requests sent at exponential inter-arrival times of mean 1/rate."""
+  rng = np.random.default_rng(cfg.seed)
+  tasks = []
+
+  async def one(p):
+    s = await _request(client, p, cfg, method)
+    bar.update(1)
+    return s
+  for p in prompts:
+    tasks.append(asyncio.create_task(one(p)))
+    await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+  return list(await asyncio.gather(*tasks))
+
+
+def summarize(samples: list[Sample], wall: float) -> dict:
+  ok = [s for s in samples if s.ok]
+  tpot = [(s.latency - s.ttft) / (s.n_out - 1) for s in ok if s.n_out > 1]
+  n_out = sum(s.n_out for s in ok)
+  rounds = sum(s.rounds for s in ok)
+  pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None
+  return {"requests": len(samples), "ok": len(ok), "output_tokens": n_out, "seconds": round(wall, 3),
+          "throughput_tok_s": n_out / wall if wall > 0 else 0.0,
+          "ttft_s": {"mean": float(np.mean([s.ttft for s in ok])) if ok else None,
+                     "p50": pct([s.ttft for s in ok], 50), "p99": pct([s.ttft for s in ok], 99)},
+          "tpot_s": {"mean": float(np.mean(tpot)) if tpot else None, "p50": pct(tpot, 50), "p99": pct(tpot, 99)},
+          "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
+
+
+async def _measure(url: str, cfg: BenchServeConfig, method) -> list[dict]:
+  """Every level against one server: a short warm-up (compilation), then each level."""
+  import httpx
+  from tqdm import tqdm
+  rows = []
+  levels = [("concurrency", c) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
+  async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=1024)) as client:
+    warm = prompts_of(cfg.dataset, 2, cfg.seed + 1)
+    await asyncio.gather(*(_request(client, p, cfg, method) for p in warm))
+    for kind, level in levels:
+      prompts = prompts_of(cfg.dataset, cfg.num_prompts, cfg.seed)
+      with tqdm(total=len(prompts), desc=f"{method or 'plain'} {kind}={level}", leave=False) as bar:
+        t0 = time.perf_counter()
+        run = _fixed if kind == "concurrency" else _poisson
+        samples = await run(client, prompts, cfg, method, level, bar)
+        rows.append({"method": method or "plain", kind: level, **summarize(samples, time.perf_counter() - t0)})
+  return rows
+
+
+def run_bench(cfg: BenchServeConfig, make_server) -> dict:
+  """Measure each method (a fresh in-process server per method, or `cfg.url`), write JSON + PNG."""
+  from specjax.bench.env import environment
+  from specjax.serve.app import run_in_thread
+  rows = []
+  for method in ([None] if cfg.url else cfg.methods):
+    if cfg.url:
+      rows += asyncio.run(_measure(cfg.url, cfg, "url"))
+      continue
+    server = make_server(method)
+    server.scheduler.engine.warm()          # prefill programs compiled before anything is timed
+    http, url = run_in_thread(server.app())
+    try:
+      rows += asyncio.run(_measure(url, cfg, method))
+    finally:
+      http.should_exit = True
+      server.scheduler.stop()
+  result = {"config": dataclasses.asdict(cfg), "environment": environment(), "rows": rows,
+            "summary": [{k: r.get(k) for k in ("method", "concurrency", "rate", "throughput_tok_s", "tau")}
+                        for r in rows]}
+  out = Path(cfg.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+  plot(rows, out.with_suffix(".png"))
+  return result
+
+
+def plot(rows: list[dict], path: Path) -> None:
+  """Throughput against concurrency (and against rate), one line per method."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  kinds = [k for k in ("concurrency", "rate") if any(k in r for r in rows)]
+  fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
+  for ax, kind in zip(axes[0], kinds):
+    for method in dict.fromkeys(r["method"] for r in rows):
+      pts = sorted((r[kind], r["throughput_tok_s"]) for r in rows if r["method"] == method and kind in r)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xlabel(kind + (" (requests/s)" if kind == "rate" else " (clients)"))
+    ax.set_ylabel("output tokens/s")
+    if kind == "concurrency":
+      ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
