@@ -184,9 +184,12 @@ def cmd_generate(args) -> int:
   from specjax import api
   args.prompts = _read_prompts(args)
   kw = check_generate_args(args)
+  if args.mesh is not None:
+    from specjax.parallel.mesh import parse_mesh
+    parse_mesh(args.mesh)              # a bad spec fails before the model loads
   _check_model_name(args.model, "--model")
   template = _read_chat_template(args)
-  target = api.load(args.model, dtype=args.dtype)
+  target = api.load(args.model, dtype=args.dtype, mesh=args.mesh)
   if template is not None:
     if target.tokenizer is None:
       raise UserError(f"--chat-template needs a tokenizer; {args.model} has none")
@@ -271,6 +274,9 @@ def main(argv=None) -> int:
   g.add_argument("--top-p", type=_csv(float), default=1.0)
   g.add_argument("--seed", type=_csv(int), default=0)
   g.add_argument("--max-new-tokens", type=int, default=128)
+  g.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="shard over D x M devices: data splits the batch, model the heads / MLP / vocabulary "
+                      "(several hosts: SPECJAX_COORDINATOR_ADDRESS, SPECJAX_NUM_PROCESSES, SPECJAX_PROCESS_ID)")
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
 

@@ -17,7 +17,7 @@ def cmd_bench(args) -> int:
   from specjax.bench.journal import journal_path
   from specjax.bench.plots import plot_result
   from specjax.bench.report import report
-  cfg = load_config(args.config, limit=args.limit, dtype=args.dtype)
+  cfg = load_config(args.config, limit=args.limit, dtype=args.dtype, mesh=args.mesh)
   out = Path(args.out or "experiments/results")
   stem = args.name or cfg.name
   out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +47,8 @@ def add_bench_commands(sub) -> None:
   b.add_argument("--name", default=None, help="file stem of the outputs (default: the config's name)")
   b.add_argument("--limit", type=int, default=None, help="override: questions per prompt set")
   b.add_argument("--dtype", default=None, help="override: float32 / bfloat16")
+  b.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="override: shard the target over D x M devices (data: batch, model: heads / MLP / vocabulary)")
   b.add_argument("--resume", action="store_true",
                  help="continue an interrupted run of this config into the same output, running only the rows it lacks")
   b.set_defaults(func=cmd_bench)

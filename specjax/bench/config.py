@@ -66,6 +66,7 @@ class ExperimentConfig:
   chat: bool = True
   sampling: SamplingConfig = SamplingConfig()
   methods: tuple[MethodConfig, ...] = ()
+  mesh: str | None = None                           # "data=2,model=4": the target sharded over devices (specjax.parallel)
 
 
 def _type_ok(value, tp) -> bool:
@@ -211,6 +212,15 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
       raise ConfigError(f"{key}: must be a whole number in [1, 2**31), got {value!r}")
   if not 0 <= cfg.seed < 2 ** 32:
     raise ConfigError(f"seed: must be in [0, 2**32), got {cfg.seed!r}")
+  if cfg.mesh is not None:
+    from specjax.errors import UserError
+    from specjax.parallel.mesh import parse_mesh
+    try:
+      data = parse_mesh(cfg.mesh)["data"]
+    except UserError as e:
+      raise ConfigError(f"mesh: {str(e).removeprefix('mesh: ')}") from None
+    if cfg.batch_size % data:
+      raise ConfigError(f"mesh: the data axis ({data}) must divide batch_size ({cfg.batch_size})")
   widest = max([m.draft_params.n_max for m in cfg.methods] + [0])
   capacity = DEFAULT_CAPACITY if cfg.capacity is None else cfg.capacity
   if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:

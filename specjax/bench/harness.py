@@ -349,6 +349,9 @@ def load_target(cfg: ExperimentConfig, progress: bool = True):
   if cfg.target == TINY_RANDOM:
     from specjax.tune.tiny_model import tiny_target
     return tiny_target()
+  if getattr(cfg, "mesh", None):   # sharded over devices: read on the host, written to its shards
+    from specjax import api
+    return api.load(cfg.target, dtype=cfg.dtype, mesh=cfg.mesh)
   return load_model(cfg.target, dtype=jnp.dtype(cfg.dtype), progress=progress)
 
 
