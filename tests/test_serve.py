@@ -154,3 +154,16 @@ def test_full_queue_refuses(tiny_server):
   sched.submit(GenRequest([1, 2]), lambda e: None)
   with pytest.raises(QueueFull):
     sched.submit(GenRequest([1, 2]), lambda e: None)
+
+
+def test_bench_serve_summary_and_plot(tmp_path):
+  """bench-serve's per-level numbers (TTFT, TPOT after the first token, tau without the prefill's
+  token) and its plot of throughput against concurrency."""
+  from specjax.serve.bench_serve import Sample, plot, summarize
+  row = summarize([Sample(True, ttft=0.5, latency=1.5, n_out=11, rounds=5), Sample(False)], wall=2.0)
+  assert row["ok"] == 1 and row["throughput_tok_s"] == 5.5 and row["tau"] == 2.0
+  assert row["tpot_s"]["mean"] == pytest.approx(0.1) and row["ttft_s"]["p50"] == 0.5
+  rows = [{"method": m, "concurrency": c, "throughput_tok_s": t} for m, c, t in
+          [("plain", 1, 10), ("plain", 8, 50), ("ngram_simple", 1, 15), ("ngram_simple", 8, 60)]]
+  plot(rows, tmp_path / "b.png")
+  assert (tmp_path / "b.png").stat().st_size > 1000
