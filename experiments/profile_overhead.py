@@ -8,8 +8,9 @@ import argparse, json, sys, time
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specjax import engine
 from specjax.engine import decode
+from specjax.engine.loops import device_loop, prefill_request
+from specjax.engine.round import RoundInputs, RoundSpec
 from specjax.bench.env import device_info, git_revision
 from specjax.bench.prompts import load_prompt_set
 from specjax.drafters.base import DraftParams
@@ -39,8 +40,9 @@ for name in ("plain", "fixed_n2"):
     t0 = time.perf_counter()
     if name == "plain":
       cap = plan_capacity(tokens.shape[1], a.max_new, 0, a.capacity)
-      st = decode.prefill_jit(t.params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new, cfg=t.cfg,
-                              capacity=cap, history_len=cap)
+      inp = RoundInputs(params=t.params, dparams=(), sampling=sampling, dp={}, stop_ids=stop, max_new=max_new)
+      st = prefill_request(RoundSpec(cfg=t.cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
+                           history_len=cap).state
       jax.block_until_ready(st.hist_len); t1 = time.perf_counter()
       st = decode._decode_loop(t.params, st, sampling, stop, max_new, cfg=t.cfg)
     else:
@@ -49,10 +51,11 @@ for name in ("plain", "fixed_n2"):
       k = d.max_draft
       dp = {n: jnp.asarray(x) for n, x in dp0.arrays(b, k).items()}
       cap = plan_capacity(tokens.shape[1], a.max_new, k + 1, a.capacity)
-      st, ds = engine._spec_prefill(t.params, d.params(), jnp.asarray(tokens), jnp.asarray(lens), sampling, stop,
-                                    max_new, cfg=t.cfg, drafter=d, capacity=cap, history_len=cap)
-      jax.block_until_ready(st.hist_len); t1 = time.perf_counter()
-      st, ds, stats = engine._spec_loop(t.params, d.params(), st, ds, sampling, dp, stop, max_new, cfg=t.cfg, drafter=d)
+      spec = RoundSpec(cfg=t.cfg, drafter=d)
+      inp = RoundInputs(params=t.params, dparams=d.params(), sampling=sampling, dp=dp, stop_ids=stop, max_new=max_new)
+      carry = prefill_request(spec, inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap, history_len=cap)
+      jax.block_until_ready(carry.state.hist_len); t1 = time.perf_counter()
+      st = device_loop(spec, inp, carry).state
     jax.block_until_ready(st.hist_len); t2 = time.perf_counter()
     outs = outputs_of(st); t3 = time.perf_counter()
     rows.append({"method": name, "rep": rep, "prefill_ms": 1e3 * (t1 - t0), "loop_ms": 1e3 * (t2 - t1),

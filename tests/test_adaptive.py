@@ -151,19 +151,19 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
   following run of the same shapes adds no compilation whatever widths its controller picks (the
   widths a short warm-up never chose used to compile inside the timed run: 0.035x of plain decoding
   at batch 64 on an H200). The warm-up leaves its inputs alone: the output is still lossless."""
-  from specjax.engine import _adaptive_run
+  from specjax.engine.adaptive_loop import adaptive_run
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), costs=(1.0, 1.1, 1.15, 1.2), segment_rounds=2)
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=3))
-  before = _adaptive_run._cache_size()
+  before = adaptive_run._cache_size()
   warm = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True,
                               adaptive=ac)
-  compiled = _adaptive_run._cache_size()
+  compiled = adaptive_run._cache_size()
   assert compiled - before >= 1, (before, compiled)     # one program holds every width
   assert warm.tokens == [t[:2] for t in plain]
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
-  assert _adaptive_run._cache_size() == compiled
+  assert adaptive_run._cache_size() == compiled
   assert res.tokens == plain
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import chi2_gof
 from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
-from specjax.engine import speculative_generate, verify_tree_and_accept
+from specjax.engine import RoundInputs, RoundSpec, speculative_generate, verify_tree
 from specjax.engine.generation import GenState
 from specjax.models.decoder import forward
 from specjax.models.hybrid import HybridConfig
@@ -215,12 +215,27 @@ ROUND_PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8]]
 ROUND_CAP = 64
 
 
+class _DepthBound:
+  """The static facts `verify_tree` reads of a tree drafter: its node budget and depth bound."""
+  proposes_tree, commit_free, taps = True, False, ()
+
+  def __init__(self, max_draft, max_depth):
+    self.max_draft, self.max_depth = max_draft, max_depth
+
+  def __hash__(self):
+    return hash((self.max_draft, self.max_depth))
+
+  def __eq__(self, other):
+    return isinstance(other, _DepthBound) and (self.max_draft, self.max_depth) == (other.max_draft, other.max_depth)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "max_depth"))
 def _jit_tree_round(params, state, tree, sampling, *, cfg, max_depth):
-  b = tree.tokens.shape[0]
-  dp = {"n_max": jnp.full((b,), tree.tokens.shape[1], jnp.int32), "n_min": jnp.zeros((b,), jnp.int32)}
-  return verify_tree_and_accept(params, cfg, state, tree, dp, sampling, jnp.asarray([-1], jnp.int32),
-                                jnp.full((b,), 32, jnp.int32), max_depth)
+  b, t = tree.tokens.shape
+  dp = {"n_max": jnp.full((b,), t, jnp.int32), "n_min": jnp.zeros((b,), jnp.int32)}
+  inp = RoundInputs(params=params, dparams=(), sampling=sampling, dp=dp, stop_ids=jnp.asarray([-1], jnp.int32),
+                    max_new=jnp.full((b,), 32, jnp.int32))
+  return verify_tree(RoundSpec(cfg=cfg, drafter=_DepthBound(t, max_depth)), inp, state, tree)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -260,8 +275,8 @@ def test_tree_round_compacts_the_accepted_path(model, request):
   tree = TreeDraft(tokens=jnp.asarray(tree_tokens, jnp.int32), parents=jnp.asarray([parents] * b, jnp.int32),
                    n_nodes=jnp.full((b,), len(parents), jnp.int32))
   before = np.asarray(state.cache.lengths)
-  new, n_acc, nxt, n_nodes, reach, on_path, tapped, live, n_out = _jit_tree_round(
-      params, state, tree, sampling, cfg=cfg, max_depth=4)
+  new, v = _jit_tree_round(params, state, tree, sampling, cfg=cfg, max_depth=4)
+  n_acc, nxt, reach, on_path, tapped, n_out = v.n_accepted, v.next_token, v.reach, v.path, v.taps, v.n_out
   assert np.asarray(n_acc).tolist() == [3] * b and np.asarray(reach).tolist() == [4] * b
   assert np.asarray(nxt).tolist() == [g[4] for g in greedy]
   assert np.asarray(on_path).tolist() == [g[:4] + [0] for g in greedy]
@@ -284,7 +299,7 @@ def test_hybrid_targets_refuse_tree_drafts():
                      n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64, lin_k_heads=1, lin_v_heads=2,
                      lin_k_dim=8, lin_v_dim=8)
   with pytest.raises(NotImplementedError, match="hybrid"):
-    verify_tree_and_accept(None, cfg, None, None, {}, None, None, None, 3)
+    verify_tree(RoundSpec(cfg=cfg, drafter=_DepthBound(3, 3)), None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 verification width chosen by measured cost and measured (or replayed) acceptance, backing off to
 plain decoding when speculation does not pay.
 
-The device loop (`engine._adaptive_run`) is one jitted program: a while_loop over segments of
+The device loop (`adaptive_loop.adaptive_run`) is one jitted program: a while_loop over segments of
 `segment_rounds` rounds; before each, the controller (`choose_width_device`) picks the width w that
 finishes the batch soonest,
 
@@ -213,7 +213,7 @@ TIMED: set = set()        # shapes whose cached costs are timed whole rounds (no
 
 def remember_costs(key: tuple, costs) -> np.ndarray:
   """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
-  per shape: `engine._measure_round_costs`). Kept as timed, not made non-decreasing in the width:
+  per shape: `adaptive_loop.measure_round_costs`). Kept as timed, not made non-decreasing in the width:
   a round at width 0 verifies one token per sequence, which the attention kernel did not serve
   then (`kernels.verify_attention`: T > 1), so on an H100 at batch 64 it measured 3.2 ms against 1.7 ms
   at width 1 and 2.4 ms at width 8; raising every width to width 0's figure made the costs flat

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, prefill, target_of
+from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, target_of
 from specjax.engine.sampling import SamplingParams, sample, shaped_probs, split_keys
 
 
@@ -32,12 +32,6 @@ def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, 
 def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new) -> GenState:
   """One token per live sequence (`decode_step_counted` without the count)."""
   return decode_step_counted(params, cfg, state, sampling, stop_ids, max_new)[0]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "history_len"))
-def prefill_jit(params, tokens, prompt_lens, sampling, stop_ids, max_new, *, cfg, capacity, history_len):
-  state, _ = prefill(params, cfg, tokens, prompt_lens, sampling, stop_ids, max_new, capacity, history_len)
-  return state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "unroll"), donate_argnames=("state",))
@@ -75,9 +69,12 @@ def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int
   max_new_arr = jnp.asarray(np.broadcast_to(max_new if max_new is not None else max_new_tokens, (b,)), jnp.int32)
   stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + 1
+  from specjax.engine.loops import prefill_request     # the engine's one prefill (imports this module)
+  from specjax.engine.round import RoundInputs, RoundSpec
+  inp = RoundInputs(params=params, dparams=(), sampling=sampling, dp={}, stop_ids=stop, max_new=max_new_arr)
   t0 = time.perf_counter()
-  state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lens), sampling, stop, max_new_arr,
-                      cfg=cfg, capacity=cap, history_len=history_len)
+  state = prefill_request(RoundSpec(cfg=cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
+                          history_len=history_len).state
   state = _decode_loop(params, state, sampling, stop, max_new_arr, cfg=cfg, unroll=unroll)
   jax.block_until_ready(state.hist_len)
   dt = time.perf_counter() - t0

@@ -30,8 +30,8 @@ class RoundStats:
 
   @staticmethod
   def zeros(batch: int, k: int) -> "RoundStats":
-    z = jnp.zeros((batch,), jnp.int32)
-    return RoundStats(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z, z)
+    z = lambda n: jnp.zeros((n,), jnp.int32)   # distinct buffers: loops donate the stats
+    return RoundStats(z(batch), z(batch), z(batch), z(batch), z(batch), z(k), z(k), z(batch), z(batch))
 
   def update(self, dlen, n_acc, live, n_emitted, n_verified=None) -> "RoundStats":
     """dlen [B]: draft length (chains) or depth reached (trees; then n_verified [B] = nodes verified)."""

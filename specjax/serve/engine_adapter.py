@@ -1,7 +1,7 @@
 """The one module of `specjax.serve` that touches engine internals.
 
-Continuous batching runs the engine's own round (`_round` for device drafters, `_host_round` for
-host drafters, `decode_step_counted` for plain decoding) over a fixed batch of B slots, and moves
+Continuous batching runs the engine's own round (`specjax.engine.run_round`: the device drafter's
+round, or a round with a host draft; `decode_step_counted` for plain decoding) over a fixed batch of B slots, and moves
 single requests in and out of that batch between rounds. Everything else in `specjax.serve`
 speaks only to `SlotEngine`, so when the engine's API changes, this file is the one to change.
 
@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Draft, DraftParams, check_drafter
-from specjax.engine import _host_round, _round
+from specjax.engine import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, round_up, target_of
 from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
 from specjax.engine.stats import RoundStats
-from specjax.engine.tree import max_depth_of
 
 CHUNK_BUCKET = 64      # prefill chunks are padded to a multiple of this (few compiled widths)
 
@@ -112,16 +111,20 @@ def _new_tokens(state_before_len, state, width):
   return jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "rollback"), donate_argnames=("state", "dstate"))
-def _device_step(params, dparams, state, dstate, sampling, dp, stop_ids, max_new, *, cfg, drafter, rollback):
-  """One speculative round of a device drafter over every slot (the engine's `_round`)."""
-  width = max_depth_of(drafter) if drafter.proposes_tree else drafter.max_draft
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state", "dstate"))
+def _round_step(spec, params, dparams, state, dstate, sampling, dp, stop_ids, max_new, draft_tokens=None,
+                draft_lengths=None):
+  """One speculative round over every slot (`run_round`): the device drafter's, or with the host
+  drafters' draft (tokens [B, w], lengths [B]) when given.
+  -> (state, dstate, new tokens [B, W+1], emitted [B], draft tokens verified [B], accepted [B])."""
+  inp = RoundInputs(params=params, dparams=dparams, sampling=sampling, dp=dp, stop_ids=stop_ids, max_new=max_new)
+  host = None if draft_tokens is None else Draft(tokens=draft_tokens, lengths=draft_lengths)
+  width = spec.stats_width if host is None else draft_tokens.shape[1]
   before = state.hist_len
-  stats = RoundStats.zeros(state.last.shape[0], width)
-  state, dstate, stats = _round(params, dparams, cfg, drafter, sampling, dp, stop_ids, max_new, rollback,
-                                (state, dstate, stats))
-  new = _new_tokens(before, state, width + 1)
-  return state, dstate, new, state.hist_len - before, stats.gen_tokens, stats.acc_tokens
+  carry, v = run_round(spec, inp, Carry(state=state, dstate=dstate, stats=RoundStats.zeros(state.last.shape[0], width)),
+                       host_draft=host)
+  new = _new_tokens(before, carry.state, width + 1)
+  return carry.state, carry.dstate, new, carry.state.hist_len - before, v.n_verified, v.n_accepted
 
 
 class SlotEngine:
@@ -256,9 +259,9 @@ class SlotEngine:
       toks = hist[np.arange(self.b), np.minimum(before, hist.shape[1] - 1)][:, None]
       return RoundOut(toks, n_new, done, zeros, zeros)
     if self.drafter.on_device:
-      self.state, self.dstate, new, n_new, drafted, accepted = _device_step(
-          self.params, self.dparams, self.state, self.dstate, sampling, dp, self.stop, max_new, cfg=self.cfg,
-          drafter=self.drafter, rollback=self.rollback)
+      spec = RoundSpec(cfg=self.cfg, drafter=self.drafter, rollback=self.rollback)
+      self.state, self.dstate, new, n_new, drafted, accepted = _round_step(
+          spec, self.params, self.dparams, self.state, self.dstate, sampling, dp, self.stop, max_new)
       new, n_new, drafted, accepted, done = jax.device_get((new, n_new, drafted, accepted, self.state.done))
       return RoundOut(new, n_new, done, drafted, accepted)
     return self._host_step(sampling, dp, max_new)
@@ -274,10 +277,10 @@ class SlotEngine:
         n = min(int(np.asarray(n)[0]), int(self.dp["n_max"][i]))
         toks[i, :n], lens[i] = np.asarray(t).reshape(-1)[:n], n
     width = min(k, 1 << int(max(int(lens.max()), 1) - 1).bit_length())
-    self.state, _, n_acc, dlen, new, n_new, done = _host_round(
-        self.params, self.state, RoundStats.zeros(self.b, k), jnp.asarray(toks[:, :width]), jnp.asarray(lens),
-        sampling, dp, self.stop, max_new, cfg=self.cfg, rollback=self.rollback)
-    n_acc, dlen, new, n_new, done = jax.device_get((n_acc, dlen, new, n_new, done))
+    self.state, _, new, n_new, dlen, n_acc = _round_step(
+        RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (), sampling, dp, self.stop,
+        max_new, jnp.asarray(toks[:, :width]), jnp.asarray(lens))
+    n_acc, dlen, new, n_new, done = jax.device_get((n_acc, dlen, new, n_new, self.state.done))
     for i, d in enumerate(self.host):
       if d is not None:
         d.accept(n_acc[i:i + 1], verified=dlen[i:i + 1] > 0)

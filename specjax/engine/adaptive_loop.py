@@ -1,0 +1,191 @@
+"""Adaptive drafting on the device: one jitted program, a `lax.while_loop` over segments of rounds.
+
+Before each segment the controller picks the verification width that finishes the batch soonest
+(`adaptive.choose_width_device`) from the measured round cost of every width and the expected
+tokens per round of every sequence, and runs up to `ac.segment_rounds` rounds at that width. The
+body holds one bounded loop per width (`loops.rounds_at`) and every one but the chosen runs zero
+rounds: a `lax.switch` over the widths ran rounds markedly slower than the fixed loop at batch 1.
+No host round trip between segments.
+
+Expected tokens per round come from replaying the produced stream (`adaptive_replay`) for
+replayable point-mass drafters (every width, plain decoding included, is evaluated on every
+segment, so nothing needs exploring), otherwise from the censored-geometric acceptance per
+sequence, refreshed by a short segment at the widest width every `ac.explore_every` segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine import adaptive as adapt
+from specjax.engine.adaptive_replay import ReplayState, replay_segment
+from specjax.engine.loops import device_loop, rounds_at
+from specjax.engine.round import Carry, RoundInputs, RoundSpec
+
+ADAPTIVE_LOG = 512      # segments whose [width, rounds] are recorded for the run's report
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Control:
+  """What the device controller carries between segments."""
+  replay: ReplayState      # replayed acceptance per width (replayable drafters)
+  acceptance: adapt.AdaptiveState   # censored-geometric acceptance per sequence (other drafters)
+  segment: jax.Array       # [] int32 segments run
+  total: jax.Array         # [] int32 rounds run
+  log_width: jax.Array     # [L] int32 width index of each segment (the last slot collects the rest)
+  log_rounds: jax.Array    # [L] int32 rounds of each segment
+
+  @staticmethod
+  def init(carry: Carry, ac, n_widths: int) -> "Control":
+    z = jnp.zeros((ADAPTIVE_LOG,), jnp.int32)
+    return Control(replay=ReplayState.init(carry.state.hist_len, n_widths),
+                   acceptance=adapt.AdaptiveState.init(carry.state.last.shape[0], ac),
+                   segment=jnp.int32(0), total=jnp.int32(0), log_width=z, log_rounds=z)
+
+
+def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
+  widths = ac.widths_for(spec.drafter.max_draft)
+  return widths if keep is None else tuple(widths[i] for i in keep)
+
+
+def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, widths, force, max_rounds):
+  """-> (width index [], rounds []) of the next segment."""
+  live = ~carry.state.done
+  remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
+  if spec.drafter.replayable:
+    tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
+    rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
+    wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
+  else:
+    tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
+    explore = ctl.segment % ac.explore_every == 0
+    wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
+    rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
+  wi = jnp.where(force >= 0, force, wi).astype(jnp.int32)
+  rounds = jnp.minimum(jnp.where(force >= 0, max_rounds, rounds), max_rounds - ctl.total)
+  return wi, rounds
+
+
+def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran) -> Control:
+  """The controller after a segment: replayed acceptance, or the acceptance totals, and the log."""
+  replay, acceptance = ctl.replay, ctl.acceptance
+  if spec.drafter.replayable:
+    k = spec.drafter.max_draft
+    window = ac.segment_rounds * (k + 1) + k + 1
+    replay = replay_segment(ctl.replay, spec.drafter.propose_at, after.state.history, after.state.hist_len,
+                            widths, k, window, ac.decay)
+  else:
+    acceptance = adapt.update_totals(ctl.acceptance, after.stats.acc_tokens - before.stats.acc_tokens,
+                                     after.stats.rejected - before.stats.rejected, ac.decay)
+  slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
+  return Control(replay=replay, acceptance=acceptance, segment=ctl.segment + 1, total=ctl.total + ran,
+                 log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "ac", "keep"), donate_argnames=("carry",))
+def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, max_rounds, *, ac, keep=None):
+  """Segments until every sequence is done or `max_rounds` rounds ran. costs [W] ms per round of
+  each width; `force` >= 0 pins the width index and runs one segment of `max_rounds` rounds (the
+  cost measurement); `keep`: indices of `ac.widths_for(K)` left by `adapt.prune_widths`.
+  -> (carry, (log_width, log_rounds, segments, rounds, replayed tau [W]))."""
+  widths = widths_of(spec, ac, keep)
+  specs = [dataclasses.replace(spec, width=w) for w in widths]
+
+  def body(c):
+    carry, ctl = c
+    wi, rounds = _choose(spec, ac, carry, ctl, inp, costs, widths, force, max_rounds)
+    after, ran = carry, jnp.int32(0)
+    for i, spec_w in enumerate(specs):   # one bounded loop per width; all but the chosen run 0 rounds
+      after, n = rounds_at(spec_w, inp, jnp.where(wi == i, rounds, 0), after)
+      ran = ran + n
+    return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran)
+
+  carry, ctl = jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1].total < max_rounds), body,
+                                  (carry, Control.init(carry, ac, len(widths))))
+  r = ctl.replay
+  replayed_tau = jnp.sum(r.tokens, 1) / jnp.maximum(jnp.sum(r.rounds, 1), 1e-6)     # [W] pooled, decayed
+  return carry, (ctl.log_width, ctl.log_rounds, ctl.segment, ctl.total, replayed_tau)
+
+
+def measure_round_costs(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, timed=True) -> np.ndarray | None:
+  """[len(widths)] ms per round at each width (drafting, the [B, w+1] verify forward, acceptance,
+  commit, and the controller's per-segment work), timed with the adaptive program itself (width
+  pinned by `force`) on copies of the live state with the budget lifted so no sequence stops
+  early: one untimed call first (compiles), then three interleaved passes that time a short and a
+  long run per width; the cost per round is the difference over the extra rounds (median per
+  width), so the per-call cost (launch, the host's wait) drops out. None when the cache has no
+  room for a few rounds (or `timed` is off: then it only compiles)."""
+  k, state = spec.drafter.max_draft, carry.state
+  widths = ac.widths_for(k)
+  room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
+             int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
+  long = min(32, max(room, 0) // (k + 1))
+  short = min(8, long // 4)
+  lifted = dataclasses.replace(inp, max_new=jnp.full_like(inp.max_new, long * (k + 1) + 1))
+  costs0 = jnp.ones((len(widths),), jnp.float32)
+
+  def run(i, rounds):
+    c = jax.tree_util.tree_map(jnp.copy, carry)
+    jax.block_until_ready(c)
+    t0 = time.perf_counter()
+    _, probe = adaptive_run(spec, lifted, c, costs0, jnp.int32(i), jnp.int32(rounds), ac=ac)
+    ran = int(probe[3])     # waits for the run
+    return (time.perf_counter() - t0) * 1e3, ran
+
+  run(len(widths) - 1, min(long, 1) if timed else 0)   # compile (+ first launch)
+  if short < 2 or not timed:
+    return None
+  ms = [[] for _ in widths]
+  for _ in range(3):
+    for i in range(len(widths)):
+      (t_s, r_s), (t_l, r_l) = run(i, short), run(i, long)
+      ms[i].append((t_l - t_s) / (r_l - r_s) if r_l > r_s else t_l / max(r_l, 1))
+  return np.asarray([max(float(np.median(m)), 1e-3) for m in ms], np.float32)
+
+
+def _segments(kept, log_w, log_r, n_seg) -> list[list[int]]:
+  """[[width, rounds], ...] runs of the segment log, consecutive equal widths merged."""
+  segments: list[list[int]] = []
+  for wi, r in zip(log_w[:min(int(n_seg), ADAPTIVE_LOG)], log_r):
+    if r <= 0:
+      continue
+    if segments and segments[-1][0] == int(kept[wi]):
+      segments[-1][1] += int(r)
+    else:
+      segments.append([int(kept[wi]), int(r)])
+  return segments
+
+
+def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs, warm=False, cost_key=None):
+  """Adaptive drafting for a request. Once per shape (`cost_key`) the round costs of every width are
+  timed (`measure_round_costs`) and replace the forward-only calibration; `warm` (a benchmark's
+  untimed warm-up passes it) compiles the program, so a later timed run never compiles.
+  -> (carry, record of the run: costs, widths, [width, rounds] per segment, replayed tau by width)."""
+  if spec.proposes_tree:
+    raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
+  widths = ac.widths_for(spec.drafter.max_draft)
+  measure = ac.costs is None and cost_key is not None and cost_key not in adapt.TIMED
+  if warm or measure:
+    measured = measure_round_costs(spec, inp, carry, ac=ac, timed=measure)
+    if measured is not None:
+      costs = adapt.remember_costs(cost_key, measured)
+  kept, kept_costs = adapt.prune_widths(widths, costs, ac.tie)
+  record = {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs], "widths_timed": list(widths),
+            "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None)}
+  if kept == (spec.drafter.max_draft,):   # nothing to choose: the fixed program itself
+    carry = device_loop(spec, inp, carry)
+    return carry, {**record, "segments": [[int(kept[0]), int(jnp.max(carry.stats.rounds))]], "n_segments": 1,
+                   "replayed_tau": None}
+  keep = tuple(widths.index(w) for w in kept)
+  carry, probe = adaptive_run(spec, inp, carry, jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1),
+                              jnp.int32(2 ** 30), ac=ac, keep=keep)
+  log_w, log_r, n_seg, _, tau = jax.device_get(probe)
+  return carry, {**record, "segments": _segments(kept, log_w, log_r, n_seg), "n_segments": int(n_seg),
+                 "replayed_tau": [round(float(t), 4) for t in tau] if spec.drafter.replayable else None}

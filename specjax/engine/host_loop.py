@@ -1,0 +1,85 @@
+"""The host loop for host drafters (n-gram maps, suffix trees): the drafter proposes on the host
+from Python token lists, one jitted `run_round` verifies and accepts, and the accepted tokens go
+back to the drafter. Verification widths are powers of two up to K, so few programs compile."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import Draft
+from specjax.engine import adaptive as adapt
+from specjax.engine.loops import prefill_request
+from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
+from specjax.engine.stats import RoundStats
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))
+def host_step(spec: RoundSpec, inp: RoundInputs, carry: Carry, draft_tokens, draft_lengths):
+  """One round with the host's draft (tokens [B, w], lengths [B]).
+  -> (carry, accepted [B], verified draft length [B], new tokens [B, w+1], emitted [B], done [B])."""
+  before = carry.state.hist_len
+  carry, v = run_round(spec, inp, carry, host_draft=Draft(tokens=draft_tokens, lengths=draft_lengths))
+  history = carry.state.history
+  cols = before[:, None] + jnp.arange(draft_tokens.shape[1] + 1)[None, :]
+  new_tokens = jnp.take_along_axis(history, jnp.minimum(cols, history.shape[1] - 1), axis=1)
+  return carry, v.n_accepted, v.n_verified, new_tokens, v.n_out, carry.state.done
+
+
+def _pow2_width(n: int, k: int) -> int:
+  return min(k, 1 << int(max(n, 1) - 1).bit_length())
+
+
+def _warm_widths(spec, inp, carry, k, n_max):
+  """Compile every verification width now (on throwaway copies), so timed runs never compile."""
+  b, widest, width = carry.state.last.shape[0], _pow2_width(int(np.asarray(n_max).max()), k), 1
+  while True:
+    w = min(width, widest)
+    host_step(spec, inp, jax.tree_util.tree_map(jnp.copy, carry), jnp.zeros((b, w), jnp.int32),
+              jnp.zeros((b,), jnp.int32))
+    if w >= widest:
+      return
+    width *= 2
+
+
+def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens, *, capacity, history_len,
+              warm_widths=False, adaptive=None, costs=None):
+  """-> (carry, host drafting seconds, adaptive record or None)."""
+  b, k = len(prompts), drafter.max_draft
+  control = adapt.HostController(adaptive, b, k, costs) if adaptive else None
+  carry = prefill_request(spec.prefill_spec(), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=capacity,
+                          history_len=history_len)
+  carry = dataclasses.replace(carry, stats=RoundStats.zeros(b, k))
+  n_max = np.asarray(inp.dp["n_max"])
+  if warm_widths:
+    _warm_widths(spec, inp, carry, k, n_max)
+  first = np.asarray(carry.state.last)
+  histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
+  done = np.asarray(carry.state.done)
+  drafter.begin([list(p) for p in prompts])
+  draft_seconds = 0.0
+  while not done.all():
+    t0 = time.perf_counter()
+    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done)
+    d_tok, d_len, _ = drafter.propose(histories, asked)
+    draft_seconds += time.perf_counter() - t0
+    d_len = np.minimum(np.asarray(d_len, np.int32), np.minimum(n_max, asked))
+    width = _pow2_width(int(d_len.max()), k)      # verify only as wide as this round's longest draft
+    d_tok = np.asarray(d_tok, np.int32).reshape(b, -1)[:, :width]
+    carry, *out = host_step(spec, inp, carry, jnp.asarray(d_tok), jnp.asarray(d_len))
+    live = ~done
+    n_acc, dlen, new_tokens, n_new, done = (np.asarray(x) for x in out)
+    if control is not None:
+      control.observe(dlen, n_acc, live)
+    t0 = time.perf_counter()
+    drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified
+    for i in range(b):
+      histories[i].extend(new_tokens[i, : n_new[i]].tolist())
+    draft_seconds += time.perf_counter() - t0
+  drafter.end(histories)        # e.g. the suffix drafter's global tree learns the final tokens
+  return carry, draft_seconds, None if control is None else control.record()

@@ -1,0 +1,41 @@
+"""The jitted drivers around `run_round`: the one prefill, the fixed device loop (every round of
+every sequence in one `lax.while_loop`, no host round trip per round) and a bounded loop at one
+width (the adaptive controller's segments)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.engine.generation import prefill
+from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
+from specjax.engine.stats import RoundStats
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "history_len"))
+def prefill_request(spec: RoundSpec, inp: RoundInputs, tokens, prompt_lens, *, capacity: int,
+                    history_len: int) -> Carry:
+  """The prompts [B, T] (right-padded, lengths [B]) through the target, the first token sampled,
+  and the device drafter's state built from the prompt pass (its tapped hidden states). Plain
+  decoding and host drafters (`spec.drafter` None) carry no drafter state."""
+  state, tapped = prefill(inp.params, spec.cfg, tokens, prompt_lens, inp.sampling, inp.stop_ids, inp.max_new,
+                          capacity, history_len, taps=spec.taps)
+  dstate = () if spec.drafter is None else spec.drafter.init(inp.dparams, tokens, prompt_lens, tapped, capacity)
+  return Carry(state=state, dstate=dstate, stats=RoundStats.zeros(tokens.shape[0], spec.stats_width))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))
+def device_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry) -> Carry:
+  """Rounds until every sequence is done. Shapes depend on capacity and history length only, so
+  one compilation serves every prompt width."""
+  return jax.lax.while_loop(lambda c: ~jnp.all(c.state.done), lambda c: run_round(spec, inp, c)[0], carry)
+
+
+def rounds_at(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[Carry, jax.Array]:
+  """Up to `rounds` (traced) rounds at `spec.width` (static); -> (carry, rounds run)."""
+  def body(c):
+    carry, ran = c
+    return run_round(spec, inp, carry)[0], ran + 1
+  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1] < rounds), body, (carry, jnp.int32(0)))
