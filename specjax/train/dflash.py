@@ -35,6 +35,7 @@ from specjax.models.decoder import forward, lm_head_logits, logits_from_prenorm
 from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, heldout_scores
 from specjax.train.loop import TrainConfig
+from specjax.train.shards import batch_loss_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +138,13 @@ def anchor_blocks(dparams, tparams, cfg: ModelConfig, dc: DFlashConfig, tokens, 
   return h.reshape(r, a_n, bk, cfg.d_model)
 
 
-def sample_anchors(rng, lens, prompt_lens, length: int, n: int):
-  """n distinct anchor positions per row among a in [max(prompt_len, 1), len - 2] (an anchor is a
-  response token with at least one token after it). -> (anchors [R, n], valid [R, n])."""
+def sample_anchors(rng, loss_mask, n: int):
+  """n distinct anchor positions per row among the a >= 1 where tokens a and a + 1 are both learned
+  (loss_mask [R, L]: an anchor is an answer token with at least one answer token after it; in a
+  prompt + response row, a in [max(prompt_len, 1), len - 2]). -> (anchors [R, n], valid [R, n])."""
+  length = loss_mask.shape[1]
   p = jnp.arange(length)[None, :]
-  ok = (p >= jnp.maximum(prompt_lens, 1)[:, None]) & (p + 1 < lens[:, None])       # [R, L]
+  ok = loss_mask & jnp.pad(loss_mask[:, 1:], ((0, 0), (0, 1))) & (p >= 1)          # [R, L]
   score = jnp.where(ok, jax.random.uniform(rng, ok.shape), -1.0)
   top, idx = jax.lax.top_k(score, min(n, length))
   return idx.astype(jnp.int32), top >= 0
@@ -154,7 +157,8 @@ def _cast(tree, dtype):
 @functools.lru_cache(maxsize=16)
 def make_loss_fn(cfg: ModelConfig, dc: DFlashConfig, lc: LossConfig, compute_dtype):
   """loss_fn(dparams, target_params, batch, rng) -> (loss, metrics) for `specjax.train.loop.train`.
-  batch: tokens [R, L], lens [R], prompt_lens [R]. Cached, so the loop's jitted step is reused."""
+  batch: tokens [R, L], lens [R], loss_mask [R, L] (else prompt_lens [R]: the response is learned).
+  Cached, so the loop's jitted step is reused."""
   bk = dc.block_size
   weights = jnp.exp(-jnp.arange(bk - 1, dtype=jnp.float32) / lc.gamma)            # slot k = 1 .. B-1
 
@@ -172,17 +176,18 @@ def make_loss_fn(cfg: ModelConfig, dc: DFlashConfig, lc: LossConfig, compute_dty
     return nll, jnp.argmax(logp, axis=-1) == labels
 
   def loss_fn(dparams, tparams, batch, rng):
-    tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
+    tokens, lens, learned = batch["tokens"], batch["lens"], batch_loss_mask(batch)
     r, length = tokens.shape
     cache = KVCache.init(cfg, r, length, dtype=jax.tree_util.tree_leaves(tparams)[0].dtype)
     _, tapped, _ = forward(tparams, cfg, tokens, cache, n_new=lens, taps=dc.taps)
     layer_taps = jax.lax.stop_gradient(concat_taps(tapped["layers"]))             # [R, L, n_taps * D]
     prenorm = jax.lax.stop_gradient(tapped["prenorm"])
-    anchors, a_ok = sample_anchors(rng, lens, plens, length, lc.anchors_per_row)  # [R, A]
+    anchors, a_ok = sample_anchors(rng, learned, lc.anchors_per_row)              # [R, A]
     h = anchor_blocks(_cast(dparams, compute_dtype), tparams, cfg, dc, tokens, layer_taps, anchors)
     tgt = anchors[:, :, None] + jnp.arange(1, bk)[None, None, :]                  # [R, A, B-1] predicted positions
-    valid = a_ok[:, :, None] & (tgt < lens[:, None, None])
     tgt_c = jnp.minimum(tgt, length - 1)
+    valid = a_ok[:, :, None] & (tgt < lens[:, None, None]) & jnp.take_along_axis(
+        learned, tgt_c.reshape(r, -1), axis=1).reshape(tgt.shape)                  # learned targets only
     flat = lambda x: x.reshape((-1,) + x.shape[3:])
     labels = flat(jnp.take_along_axis(tokens, tgt_c.reshape(r, -1), axis=1).reshape(tgt.shape))
     target_h = None
@@ -280,8 +285,7 @@ class RowSubset:
 
   @property
   def n_response_tokens(self) -> int:
-    a = self.ds.arrays
-    return int((a["lens"][self.keep] - a["prompt_lens"][self.keep]).sum())
+    return int(self.ds.arrays["loss_mask"][self.keep].sum())
 
   def rows(self, idx, with_taps: bool = True):
     return self.ds.rows(self.keep[np.asarray(idx)], with_taps=with_taps)
@@ -341,6 +345,7 @@ def score_blocks(loss_fn, dparams, tparams, ds, idx, batch_size: int) -> dict:
     if pad:
       rows = {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)]) for k, v in rows.items()}
       rows["lens"][-pad:] = 1
+      rows["loss_mask"][-pad:] = False
     loss, m = fn(dparams, tparams, {k: jnp.asarray(v) for k, v in rows.items()}, jax.random.key(b))
     m = {**{k: float(v) for k, v in m.items()}, "loss": float(loss)}
     for k, v in m.items():

@@ -39,6 +39,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, build_within, heldout_scores
 from specjax.train.loop import TrainConfig
 from specjax.train.mtp import _cast, _shift_left, _shift_right
+from specjax.train.shards import batch_loss_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,8 @@ def ttt_outputs(hp, hc: Eagle3Config, tparams, tokens, layer_taps, n_steps: int)
 @functools.lru_cache(maxsize=16)
 def make_loss_fn(hc: Eagle3Config, lc: Eagle3LossConfig, compute_dtype):
   """loss_fn(head params, {"target": params, "d2t": [Vd]}, batch, rng) -> (loss, metrics) for
-  `specjax.train.loop.train`; batch: tokens [B, L], lens [B], prompt_lens [B]. Cached, so the
+  `specjax.train.loop.train`; batch: tokens [B, L], lens [B], loss_mask [B, L] (else prompt_lens [B]:
+  the response is learned). Cached, so the
   loop's jitted step is reused across calls with the same arguments."""
 
   def step_loss(hp, o, t_prob, labels, valid):
@@ -163,7 +165,7 @@ def make_loss_fn(hc: Eagle3Config, lc: Eagle3LossConfig, compute_dtype):
 
   def loss_fn(hp, frozen, batch, rng):
     tparams, d2t = frozen["target"], frozen["d2t"]
-    tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
+    tokens, lens = batch["tokens"], batch["lens"]
     b, length = tokens.shape
     cache = KVCache.init(hc.target, b, length, dtype=jax.tree_util.tree_leaves(tparams)[0].dtype)
     _, tapped, _ = forward(tparams, hc.target, tokens, cache, n_new=lens, taps=hc.taps)
@@ -172,7 +174,7 @@ def make_loss_fn(hc: Eagle3Config, lc: Eagle3LossConfig, compute_dtype):
     outs = ttt_outputs(hp_c, hc, tparams, tokens, tapped["layers"], lc.n_steps)
     # Step j's output at base i drafts the token after position p = i + j + 1: the target's distribution at p.
     p = jnp.broadcast_to(jnp.arange(length)[None, :], (b, length))
-    wanted = (p + 1 < lens[:, None]) & ((p + 1 >= plens[:, None]) | lc.train_on_prompt)
+    wanted = (p + 1 < lens[:, None]) & (_shift_left(batch_loss_mask(batch), 1) | lc.train_on_prompt)
     if lc.positions_per_row:   # the LM heads only at a random sample of positions (they dominate the cost)
       score = jnp.where(wanted, jax.random.uniform(rng, (b, length)), -1.0)
       _, idx = jax.lax.top_k(score, min(lc.positions_per_row, length))              # [B, P]

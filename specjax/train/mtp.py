@@ -32,6 +32,7 @@ from specjax.models.decoder import embed_tokens, forward, logits_from_prenorm
 from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig
 from specjax.train.loop import TrainConfig
+from specjax.train.shards import batch_loss_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,8 @@ def _cast(tree, dtype):
 @functools.lru_cache(maxsize=16)
 def make_loss_fn(cfg: ModelConfig, lc: LossConfig, n_heads: int, compute_dtype):
   """loss_fn(heads, target_params, batch, rng) -> (loss, metrics) for `specjax.train.loop.train`.
-  batch: tokens [B, L], lens [B], prompt_lens [B], and prenorm [B, L, D] unless it is recomputed.
+  batch: tokens [B, L], lens [B], loss_mask [B, L] (else prompt_lens [B]: the response is learned),
+  and prenorm [B, L, D] unless it is recomputed.
   Cached: the same arguments give the same function, so the loop's jitted step is reused."""
 
   def step_loss(tparams, o, target_logp, labels, valid):
@@ -152,7 +154,7 @@ def make_loss_fn(cfg: ModelConfig, lc: LossConfig, n_heads: int, compute_dtype):
     step_loss = jax.checkpoint(step_loss)   # keep no [B, L, V] logits alive for the backward pass
 
   def loss_fn(heads, tparams, batch, rng):
-    tokens, lens, plens = batch["tokens"], batch["lens"], batch["prompt_lens"]
+    tokens, lens = batch["tokens"], batch["lens"]
     b, length = tokens.shape
     if "prenorm" in batch and not lc.recompute_taps:
       prenorm = batch["prenorm"].astype(jnp.float32)          # the residual stream is float32
@@ -165,7 +167,7 @@ def make_loss_fn(cfg: ModelConfig, lc: LossConfig, n_heads: int, compute_dtype):
     # Align step j's output at base i with position p = i + j + 1, whose next token x_{p+1} it predicts.
     p = jnp.broadcast_to(jnp.arange(length)[None, :], (b, length))
     in_row = p + 1 < lens[:, None]
-    wanted = in_row & ((p + 1 >= plens[:, None]) | lc.train_on_prompt)
+    wanted = in_row & (_shift_left(batch_loss_mask(batch), 1) | lc.train_on_prompt)   # x_{p+1} is learned
     if lc.positions_per_row:   # the LM head only at a random sample of positions (it dominates the cost)
       score = jnp.where(wanted, jax.random.uniform(rng, (b, length)), -1.0)
       _, idx = jax.lax.top_k(score, min(lc.positions_per_row, length))              # [B, P]

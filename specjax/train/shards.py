@@ -115,7 +115,17 @@ def crop_rows(rows: dict[str, np.ndarray], max_len: int, rng: np.random.Generato
   return out
 
 
-def response_mask(lens: np.ndarray, prompt_lens: np.ndarray, width: int) -> np.ndarray:
-  """[n, W] bool: prompt_lens[r] <= p < lens[r] (the loss mask of prompt + response rows)."""
-  p = np.arange(width)[None, :]
+def response_mask(lens, prompt_lens, width: int, xp=np):
+  """[n, W] bool: prompt_lens[r] <= p < lens[r] (the loss mask of prompt + response rows); `xp`:
+  numpy, or jax.numpy inside a trace."""
+  p = xp.arange(width)[None, :]
   return (p >= prompt_lens[:, None]) & (p < lens[:, None])
+
+
+def batch_loss_mask(batch: dict):
+  """[B, L] bool inside a loss function: the batch's `loss_mask` (what `ShardDataset` batches carry),
+  else the response of prompt rows (a batch built by hand with tokens, lens, prompt_lens only)."""
+  import jax.numpy as jnp
+  if "loss_mask" in batch:
+    return jnp.asarray(batch["loss_mask"]).astype(bool)
+  return response_mask(batch["lens"], batch["prompt_lens"], batch["tokens"].shape[1], xp=jnp)
