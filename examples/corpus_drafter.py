@@ -67,8 +67,18 @@ def build(target, *, draft_model=None, draft_params=None, head=None, path, size_
   return CorpusDrafter(tokens, max_draft=max(n_max, 1), size_n=size_n, min_n=min_n)
 
 
+def example(target, workdir):
+  """A working instance for any target with a tokenizer (the registry-wide tests build it): a
+  corpus of four documents of random tokens."""
+  rng = np.random.default_rng(0)
+  docs = [target.tokenizer.decode(rng.integers(0, target.cfg.vocab_size, 48).tolist()) for _ in range(4)]
+  path = Path(workdir) / "corpus.txt"
+  path.write_text("\n\n".join(docs))
+  return {"path": str(path)}
+
+
 register_speculator(SpeculatorSpec(
-    "corpus", build, "copy from a user-given corpus of documents (an example plugin)", where="host",
+    "corpus", build, "copy from a user-given corpus of documents (an example plugin)", where="host", example=example,
     options=(Option("path", str, None, "text file of documents separated by blank lines", required=True),
              Option("size_n", int, 8, "longest history tail matched", low=1),
              Option("min_n", int, 2, "shortest history tail matched", low=1))), replace=True)

@@ -94,6 +94,47 @@ def _dflash_tree(target, *, draft_model=None, draft_params=None, head=None, **op
   return make_dflash_tree_drafter(target, head, draft_params, **opts)
 
 
+# --- examples: random heads / draft models for any target (the registry-wide tests) -------------
+
+def _example_draft_model(target, workdir, **tree):
+  """A draft model: the target with every matrix perturbed by 30% of its spread (drafts agree often
+  but not always)."""
+  import jax
+  import jax.numpy as jnp
+  from specjax.models.load import LoadedModel
+  leaves, treedef = jax.tree_util.tree_flatten(target.params)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  noisy = [x + (0.3 * jnp.std(x) * jax.random.normal(k, x.shape)).astype(x.dtype) if x.ndim >= 2 else x
+           for x, k in zip(leaves, keys)]
+  return {"draft_model": LoadedModel(name="draft", cfg=target.cfg, params=jax.tree_util.tree_unflatten(treedef, noisy)),
+          **tree}
+
+
+def _example_mtp(target, workdir):
+  from specjax.drafters.mtp import init_heads
+  return {"head": init_heads(target.cfg, 2, seed=1)}
+
+
+def _example_eagle3(target, workdir, **tree):
+  from specjax.drafters.eagle3 import Eagle3Config, build_d2t, init_head
+  v = target.cfg.vocab_size
+  draft_vocab = max(2, (3 * v) // 4)
+  hc = Eagle3Config.make(target.cfg, draft_vocab)
+  d2t = build_d2t([np.repeat(np.arange(v), np.arange(v, 0, -1))], v, draft_vocab)   # frequent = low ids
+  return {"head": init_head(hc, 7, target_params=target.params, d2t=d2t), "hc": hc, "d2t": d2t, **tree}
+
+
+def _example_dflash(target, workdir, **tree):
+  from specjax.drafters.dflash import DFlashConfig, init_dflash
+  taps = tuple(sorted({0, target.cfg.n_layers - 1}))
+  dc = DFlashConfig(taps=taps, n_layers=1, block_size=5, window=8)
+  return {"head": (init_dflash(target.cfg, dc, seed=3, target_params=target.params), dc), **tree}
+
+
+def _example_small_ngram(target, workdir):
+  return {"size_n": 2, "size_m": 4}       # short prompts repeat only short n-grams
+
+
 # --- option schemas -------------------------------------------------------------------------------
 
 def _int(name, default, help, low=1, high=None, optional=False):
@@ -110,14 +151,18 @@ _DFLASH = (_int("block_size", None, "block drafted per pass (default: as trained
 
 for _spec in (
     SpeculatorSpec("ngram_simple", _ngram_simple, "copy what followed the last n-gram's previous occurrence",
-                   where="device", chainable=True, options=_SIZE_NM + (_DEVICE,)),
+                   where="device", chainable=True, options=_SIZE_NM + (_DEVICE,), example=_example_small_ngram),
     SpeculatorSpec("ngram_map_k", _host_builder("specjax.drafters.ngram", "NgramMapK"),
-                   "n-gram -> continuation map with llama.cpp's key statistics", options=_SIZE_NM),
+                   "n-gram -> continuation map with llama.cpp's key statistics", options=_SIZE_NM,
+                   example=_example_small_ngram),
     SpeculatorSpec("ngram_map_k4v", _host_builder("specjax.drafters.ngram", "NgramMapK4V"),
                    "n-gram map keeping four values per key",
-                   options=_SIZE_NM + (_int("min_hits", 1, "hits before a value is drafted"),)),
+                   options=_SIZE_NM + (_int("min_hits", 1, "hits before a value is drafted"),),
+                   example=_example_small_ngram),
     SpeculatorSpec("ngram_mod", _ngram_mod, "one hashed n-gram table shared by every sequence and request",
-                   where="device", chainable=True, options=(
+                   where="device", chainable=True,
+                   example=lambda t, w: {"n_match": 2, "n_min": 1, "n_max": 4, "table_size": 1 << 12, "add_chunk": 1},
+                   options=(
                        _int("n_match", 24, "tokens hashed into a key"), _int("n_min", 48, "shortest draft"),
                        _int("n_max", 64, "longest draft"), _int("table_size", 1 << 22, "table entries"),
                        _int("add_chunk", 32, "tokens added to the table per chunk", low=0),
@@ -139,30 +184,33 @@ for _spec in (
                        Option("min_token_prob", float, 0.1, "stop below this continuation frequency", 0, 1),
                        _int("max_cached_requests", 100000, "earlier requests kept in the global tree", low=0))),
     SpeculatorSpec("draft", _draft, "a smaller draft model (--draft-model) drafts a chain", where="device",
-                   needs_draft_model=True,
+                   needs_draft_model=True, example=_example_draft_model,
                    options=(Option("unroll", bool, True, "unroll the draft loop in the program"),)),
     SpeculatorSpec("draft_tree", _draft_tree, "a draft model drafts a token tree", where="device", tree=True,
-                   needs_draft_model=True, options=(_int("depth", 3, "tree depth"),
+                   needs_draft_model=True, example=lambda t, w: _example_draft_model(t, w, depth=2, top_k=2),
+                   options=(_int("depth", 3, "tree depth"),
                                                    _int("top_k", 2, "children per expanded node"),
                                                    _int("width", 2, "nodes expanded per level"))),
     SpeculatorSpec("mtp", _mtp, "trained multi-token-prediction heads on the target's last hidden state",
-                   where="device", head_format="specjax-mtp-v1", head_stem="mtp_head",
+                   where="device", head_format="specjax-mtp-v1", head_stem="mtp_head", example=_example_mtp,
                    options=(Option("unroll", bool, True, "unroll the heads in the program"),),
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["mtp"]}),
     SpeculatorSpec("eagle3", _eagle3(False), "an EAGLE-3 head over fused target features drafts a chain",
                    where="device", head_format="specjax-eagle3-v1", head_stem="eagle3_head", options=(_SEED,),
+                   example=_example_eagle3,
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
     SpeculatorSpec("eagle3_tree", _eagle3(True), "an EAGLE-3 head drafts an EAGLE-2 tree (n_max nodes)",
                    where="device", tree=True, head_format="specjax-eagle3-v1", head_stem="eagle3_head",
-                   options=_TREE + (_SEED,),
+                   options=_TREE + (_SEED,), example=lambda t, w: _example_eagle3(t, w, depth=2, top_k=2),
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
     SpeculatorSpec("dflash", _dflash, "a DFlash block drafter drafts a whole block in one pass", where="device",
-                   head_format="specjax-dflash-v1", head_stem="dflash", options=_DFLASH,
+                   head_format="specjax-dflash-v1", head_stem="dflash", options=_DFLASH, example=_example_dflash,
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
     SpeculatorSpec("dflash_tree", _dflash_tree, "one DFlash pass drafts a best-first tree (n_max nodes)",
                    where="device", tree=True, head_format="specjax-dflash-v1", head_stem="dflash",
                    options=(_int("depth", 8, "tree depth (<= block_size - 1)"),
                             _int("top_k", 8, "children per expanded node")) + _DFLASH,
+                   example=lambda t, w: _example_dflash(t, w, depth=2, top_k=2),
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
 ):
   register_speculator(_spec)

@@ -85,7 +85,10 @@ class SpeculatorSpec:
   built with `device=False` there; default: where == "host"). tree: drafts token trees (n_max is then the node budget). head_format: the `format`
   of the trained head it needs (None: none), head_stem: the file stem inside a head folder.
   needs_draft_model: drafts with a second (smaller) model. committed_heads: target name -> a head
-  path under the checkout's assets/, named when the head is missing."""
+  path under the checkout's assets/, named when the head is missing. example: `example(target,
+  workdir) -> dict` of `build` keyword arguments (a random head, a draft model, options) that make a
+  working instance for a target with random weights; the registry-wide losslessness and
+  sampling-law tests build every speculator from it (None: the defaults build one)."""
   name: str
   build: Callable
   help: str
@@ -97,6 +100,7 @@ class SpeculatorSpec:
   needs_draft_model: bool = False
   options: tuple[Option, ...] = ()
   committed_heads: dict = dataclasses.field(default_factory=dict)
+  example: Callable | None = None
 
   def __post_init__(self):
     if self.where not in ("host", "device"):
