@@ -135,12 +135,12 @@ def test_greedy_output_is_the_one_device_output_on_every_mesh(batch):
 def test_sampled_speculation_on_a_mesh_keeps_the_token_law():
   (row,) = _worker("law", "data=2,model=2")
   assert row["p"]["spec"] >= 1e-4 and row["p"]["two"] >= 1e-4, row
-  assert 0.1 <= row["acceptance"] <= 0.95, row
+  assert 0.05 <= row["acceptance"] <= 0.95, row   # drafts are accepted and rejected: both paths sampled
 
 
 def test_a_training_step_on_a_mesh_is_the_one_device_step(tmp_path):
   (row,) = _worker("train", "data=2,model=2", str(tmp_path))
-  assert row["batch_sharding"] == "PartitionSpec('data',)" and row["sharded_frozen_leaves"] > 0, row
+  assert row["batch_sharding"] == "P('data',)" and row["sharded_frozen_leaves"] > 0, row
   assert np.isclose(row["loss"][0], row["loss"][1], rtol=1e-5), row
   assert row["step_param_diff"] < 1e-3 and row["resume_param_diff"] < 1e-3, row   # lr 1e-2: 10% of a step
   assert row["resumed_from"] == 1, row
