@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +41,14 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import file_paths, fill_from_tensors, load_tensors, save_tensors, tensors_from
+from specjax.drafters import head_file
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+                                        params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, lm_head_logits, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm, rope
-from specjax.models.weights import FUSED
 from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
 
 FORMAT = "specjax-dflash-v1"
@@ -139,8 +139,7 @@ def _context_kv(attn, ctx, ctx_pos):
 
 @functools.lru_cache(maxsize=None)
 def model_graphdef(cfg: ModelConfig, dc: DFlashConfig, dtype_name: str):
-  abstract = nnx.eval_shape(lambda: DFlashModel(cfg, dc, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
-  return nnx.split(abstract)[0]
+  return graphdef_of(lambda: DFlashModel(cfg, dc, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
 
 
 def model_of(dparams, cfg: ModelConfig, dc: DFlashConfig) -> DFlashModel:
@@ -153,7 +152,7 @@ def init_dflash(cfg: ModelConfig, dc: DFlashConfig, seed: int = 0, dtype=jnp.flo
   first logits are the LM head's on the block embeddings, not noise of large norm. The MASK
   embedding is N(0, 1) scaled to the RMS of the target's token embeddings when those are given; an
   own final norm starts as the target's."""
-  pure = nnx.to_pure_dict(nnx.split(DFlashModel(cfg, dc, dtype=dtype, rngs=nnx.Rngs(seed)))[1])
+  pure = params_of(DFlashModel(cfg, dc, dtype=dtype, rngs=nnx.Rngs(seed)))
   for layer in pure["layers"].values():
     for proj in (layer["self_attn"]["o_proj"], layer["mlp"]["down_proj"]):
       proj["kernel"] = jnp.zeros_like(proj["kernel"])
@@ -294,38 +293,31 @@ class DFlashDrafter(DeviceDrafter):
 def _names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   """Parameter path -> (tensor names, stored transposed?). Fused q/k/v and gate/up are stored as
   their HF parts: `layers.0.self_attn.q_proj.weight`, `fc.weight` [D, n_taps * D], ..."""
-  parts, leaf = list(path[:-1]), path[-1]
-  if leaf == "mask_embedding":
+  if path[-1] == "mask_embedding":
     return ["mask_embedding"], False
-  hf_leaf = "bias" if leaf == "bias" else "weight"
-  if parts and parts[-1] in FUSED:
-    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]], leaf == "kernel"
-  return [".".join(parts + [hf_leaf])], leaf == "kernel"
-
-
-def _split_sizes(cfg: ModelConfig, dc: DFlashConfig, fused: str) -> list[int]:
-  cfg = layer_config(cfg, dc)
-  if fused == "qkv_proj":
-    return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
-  return [cfg.ffn_dim, cfg.ffn_dim]
+  return hf_names(path)
 
 
 def drafter_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config): `X.safetensors` + `X.json`, or a directory with `dflash.safetensors` + `dflash.json`."""
-  return file_paths(path, "dflash")
+  return head_file.head_paths(path, FORMAT)
 
 
 def save_dflash(path: str | Path, dparams, cfg: ModelConfig, dc: DFlashConfig, *, dtype="bfloat16",
                 extra: dict | None = None) -> tuple[Path, Path]:
-  wpath, cpath = drafter_paths(path)
-  wpath.parent.mkdir(parents=True, exist_ok=True)
-  pure = nnx.to_pure_dict(dparams) if isinstance(dparams, nnx.State) else dparams
-  flat = tensors_from(pure, _names, {f: _split_sizes(cfg, dc, f) for f in FUSED}, dtype=dtype)
-  meta = {"format": FORMAT, "dtype": str(jnp.dtype(dtype)), "dflash": dataclasses.asdict(dc),
-          "target_config": dataclasses.asdict(cfg), **(extra or {})}
-  save_tensors(flat, wpath, {"format": FORMAT})   # in shards past ~19 MB (dflash-2.safetensors, ...)
-  cpath.write_text(json.dumps(meta, indent=1, default=str) + "\n")
-  return wpath, cpath
+  flat = tensors_from(params_of(dparams), _names, fused_sizes(layer_config(cfg, dc)), dtype=dtype)
+  config = {"dtype": str(jnp.dtype(dtype)), "dflash": dataclasses.asdict(dc), "target_config": dataclasses.asdict(cfg),
+            **(extra or {})}
+  return head_file.save_head(path, FORMAT, flat, config)   # in shards past ~19 MB (dflash-2.safetensors, ...)
+
+
+def read_drafter_tensors(flat: dict, cfg: ModelConfig, dc: DFlashConfig, what: str, dtype=None) -> dict:
+  """Drafter params from the file tensors of a drafter of shape `dc` (this layout or z-lab's: the
+  same names)."""
+  abstract = abstract_params(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0)))
+  pure, used = params_from_tensors(abstract, flat, _names, what=what, dtype=dtype, int_keys=True)
+  refuse_unplaced(flat, used, what, "this drafter")
+  return pure
 
 
 def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, DFlashConfig, dict]:
@@ -335,24 +327,14 @@ def load_dflash(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, D
   from specjax.drafters.dflash_reference import is_reference_folder, load_reference
   if is_reference_folder(path):
     return load_reference(path, cfg, dtype)
-  wpath, cpath = drafter_paths(path)
-  if not wpath.exists():
-    raise FileNotFoundError(f"no DFlash drafter weights at {wpath}")
-  meta = json.loads(cpath.read_text())
-  got, want = meta.get("target_config", {}), dataclasses.asdict(cfg)
-  bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim") if got.get(k) != want[k]]
-  if bad or max(meta["dflash"]["taps"]) >= cfg.n_layers:
-    why = ", ".join(f"{k} {got.get(k)} != {want[k]}" for k in bad) or f"taps {meta['dflash']['taps']} exceed its layers"
-    raise UserError(f"DFlash drafter {wpath} was trained for another target: {why}")
+  flat, meta, wpath = head_file.load_head(path, FORMAT)
+  what = f"DFlash drafter {wpath}"
+  check_target(meta, cfg, ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim"), what, strict=True)
+  if max(meta["dflash"]["taps"]) >= cfg.n_layers:
+    raise UserError(f"{what} was trained for another target: taps {meta['dflash']['taps']} exceed its layers")
   d = dict(meta["dflash"])
   dc = DFlashConfig(**{**d, "taps": tuple(d["taps"]), "layer_fields": tuple(d.get("layer_fields", ()))})
-  flat = load_tensors(wpath)
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0))))[1])
-  out, used = fill_from_tensors(abstract, flat, _names, what=f"DFlash drafter {wpath}", dtype=dtype, int_keys=True)
-  unused = sorted(set(flat) - used)
-  if unused:
-    raise UserError(f"DFlash drafter {wpath} has tensors with no place in this drafter: {unused[:6]}")
-  return out, dc, meta
+  return read_drafter_tensors(flat, cfg, dc, what, dtype), dc, meta
 
 
 def drafter_for_target(target, head, *, block_size: int | None = None,

@@ -36,13 +36,10 @@ import json
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from specjax.drafters.head_file import fill_from_tensors, tensors_from
+from specjax.drafters.head_file import fused_sizes, params_of, tensors_from
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
-from specjax.models.weights import FUSED
 
 ARCHITECTURE = "DFlashDraftModel"
 NOT_NEEDED = ("embed_tokens.weight",)
@@ -142,15 +139,14 @@ def export_reference(folder, dparams, cfg: ModelConfig, dc, *, dtype="bfloat16",
                      max_bytes: int = MAX_SHARD_BYTES) -> Path:
   """Write drafter `dparams` (pure dict) with its DFlashConfig for target `cfg` to `folder` in z-lab's
   layout; UserError when it has no exact z-lab form. -> the folder."""
-  from specjax.drafters.dflash import _names, _split_sizes
+  from specjax.drafters.dflash import _names, layer_config
   why = exportable(cfg, dc)
   if why:
     raise UserError("this DFlash drafter has no exact z-lab form: " + "; ".join(why)
                     + ". Train one with drafter: {reference_layout: true, mask_token_id: ID}")
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  pure = nnx.to_pure_dict(dparams) if isinstance(dparams, nnx.State) else dparams
-  flat = tensors_from(pure, _names, {f: _split_sizes(cfg, dc, f) for f in FUSED}, dtype=dtype)
+  flat = tensors_from(params_of(dparams), _names, fused_sizes(layer_config(cfg, dc)), dtype=dtype)
   write_safetensors(flat, folder, max_bytes)
   config = reference_config(cfg, dc, str(jnp.dtype(dtype)))
   (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -212,7 +208,7 @@ def config_from_reference(meta: dict, cfg: ModelConfig, what: str):
 def load_reference(folder, cfg: ModelConfig, dtype=None):
   """(drafter params as a pure dict, DFlashConfig, config.json) of a z-lab folder for target `cfg`;
   UserError naming a missing tensor, a tensor with no place, or a config specjax cannot run exactly."""
-  from specjax.drafters.dflash import DFlashModel, _names
+  from specjax.drafters.dflash import read_drafter_tensors
   folder = Path(folder)
   what = f"DFlash drafter {folder}"
   meta = json.loads((folder / "config.json").read_text())
@@ -220,15 +216,7 @@ def load_reference(folder, cfg: ModelConfig, dtype=None):
   flat = {k.removeprefix("model."): v for k, v in read_safetensors(folder, what).items()}
   for name in NOT_NEEDED:
     flat.pop(name, None)
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: DFlashModel(cfg, dc, rngs=nnx.Rngs(0))))[1])
-  try:
-    pure, used = fill_from_tensors(abstract, flat, _names, what=what, dtype=dtype, int_keys=True)
-  except (KeyError, ValueError) as e:        # a missing or misshapen tensor, named
-    raise UserError(str(e).strip("'\"")) from None
-  unknown = sorted(set(flat) - used)
-  if unknown:
-    raise UserError(f"{what} has tensors this drafter has no place for: {unknown[:6]}")
-  return pure, dc, meta
+  return read_drafter_tensors(flat, cfg, dc, what, dtype), dc, meta
 
 
 def export_file(head_path, out, *, max_bytes: int = MAX_SHARD_BYTES) -> Path:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +49,12 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
-from specjax.errors import UserError
+from specjax.drafters import head_file
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+                                        params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, embed_tokens, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
-from specjax.models.weights import FUSED
 from specjax.engine.sampling import split_keys
 from specjax.models.kv_cache import KVCache
 from specjax.engine.tree import best_nodes
@@ -167,8 +166,7 @@ class Eagle3Head(nnx.Module):
 
 @functools.lru_cache(maxsize=None)
 def head_graphdef(hc: Eagle3Config, dtype_name: str):
-  abstract = nnx.eval_shape(lambda: Eagle3Head(hc, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
-  return nnx.split(abstract)[0]
+  return graphdef_of(lambda: Eagle3Head(hc, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
 
 
 def head_module(hp, hc: Eagle3Config) -> Eagle3Head:
@@ -179,7 +177,7 @@ def head_module(hp, hc: Eagle3Config) -> Eagle3Head:
 def init_head(hc: Eagle3Config, seed: int = 0, dtype=jnp.float32, *, target_params=None, d2t=None) -> dict:
   """Head parameters as a pure dict: matrices N(0, 1/d_in). With `target_params` and `d2t`, the
   final norm and LM head start as the target's own, restricted to the draft vocabulary."""
-  pure = nnx.to_pure_dict(nnx.split(Eagle3Head(hc, dtype=dtype, rngs=nnx.Rngs(seed)))[1])
+  pure = params_of(Eagle3Head(hc, dtype=dtype, rngs=nnx.Rngs(seed)))
   if target_params is not None:
     model = model_of(target_params, hc.target)
     w = model.embed_tokens.embedding[...] if model.lm_head is None else model.lm_head.kernel[...].T   # [V, D]
@@ -426,27 +424,19 @@ def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   """Parameter path -> (tensor names in the file, stored transposed?). EAGLE-3's names:
   `fc.weight`, `midlayer.self_attn.q_proj.weight`, `midlayer.mlp.gate_proj.weight`, `norm.weight`,
   `lm_head.weight`; fused projections stored as their parts."""
-  parts, leaf = list(path[:-1]), path[-1]
-  transposed = leaf == "kernel"
-  if parts and parts[-1] in FUSED:
-    return [".".join(parts[:-1] + [p, "weight"]) for p in FUSED[parts[-1]]], transposed
-  return [".".join(parts + ["weight"])], transposed
+  return hf_names(path)
 
 
 def head_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config): `X.safetensors` + `X.json`, or a directory with `eagle3_head.*`."""
-  return file_paths(path, "eagle3_head")
+  return head_file.head_paths(path, FORMAT)
 
 
 def head_tensors(hp, d2t, hc: Eagle3Config, dtype="bfloat16") -> dict:
   """The file tensors of a head: its weights as `dtype` under EAGLE-3's names ([out, in], fused
   projections split), `d2t` in EAGLE-3's offset form (target id - draft id, int64) and `t2d`
   (bool [V])."""
-  lay = hc.layer
-  sizes = {"qkv_proj": (lay.n_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim, lay.n_kv_heads * lay.head_dim),
-           "gate_up_proj": (hc.ffn_dim, hc.ffn_dim)}
-  pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-  flat = tensors_from(pure, _file_names, sizes, dtype=dtype)
+  flat = tensors_from(params_of(hp), _file_names, fused_sizes(hc.layer), dtype=dtype)
   d2t = np.asarray(d2t, np.int64)
   flat["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
   flat["t2d"] = np.asarray(t2d_mask(d2t, hc.target.vocab_size))
@@ -456,45 +446,36 @@ def head_tensors(hp, d2t, hc: Eagle3Config, dtype="bfloat16") -> dict:
 def save_head(path: str | Path, hp, d2t, hc: Eagle3Config, *, dtype="bfloat16", extra: dict | None = None):
   """Write the head (`head_tensors`) as safetensors and a JSON config (target config, head shape,
   `extra`)."""
-  from safetensors.numpy import save_file
-  wpath, cpath = head_paths(path)
-  wpath.parent.mkdir(parents=True, exist_ok=True)
-  flat = head_tensors(hp, d2t, hc, dtype)
-  meta = {"format": FORMAT, "dtype": str(jnp.dtype(dtype)), "draft_vocab": hc.draft_vocab, "ffn_dim": hc.ffn_dim,
-          "tap_layers": list(hc.tap_layers), "target_config": dataclasses.asdict(hc.target), **(extra or {})}
-  save_file(flat, str(wpath), metadata={"format": FORMAT})
-  cpath.write_text(json.dumps(meta, indent=1, default=str) + "\n")
-  return wpath, cpath
+  config = {"dtype": str(jnp.dtype(dtype)), "draft_vocab": hc.draft_vocab, "ffn_dim": hc.ffn_dim,
+            "tap_layers": list(hc.tap_layers), "target_config": dataclasses.asdict(hc.target), **(extra or {})}
+  return head_file.save_head(path, FORMAT, head_tensors(hp, d2t, hc, dtype), config)
+
+
+def read_head_tensors(flat: dict, hc: Eagle3Config, what: str, dtype=None) -> tuple[dict, np.ndarray]:
+  """(head params, d2t [Vd] int32) from the file tensors of a head of shape `hc` (this layout or
+  the reference one: the same names); a file without `d2t` drafts over the first Vd ids."""
+  flat = dict(flat)
+  d2t = (flat.pop("d2t") + np.arange(hc.draft_vocab)).astype(np.int32) if "d2t" in flat \
+      else np.arange(hc.draft_vocab, dtype=np.int32)
+  flat.pop("t2d", None)
+  abstract = abstract_params(lambda: Eagle3Head(hc, rngs=nnx.Rngs(0)))
+  pure, used = params_from_tensors(abstract, flat, _file_names, what=what, dtype=dtype)
+  refuse_unplaced(flat, used, what)
+  return pure, d2t
 
 
 def load_head(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[dict, np.ndarray, Eagle3Config, dict]:
   """(head params as a pure dict, d2t [Vd] int32, its Eagle3Config, JSON config) for target `cfg`;
   refuses a head trained for a target of other sizes. A folder in the reference layout (the EAGLE
   code / SpecForge / SGLang / vLLM: `config.json` + safetensors) loads too."""
-  from safetensors.numpy import load_file
-
   from specjax.drafters.eagle3_reference import is_reference_folder, load_reference
   if is_reference_folder(path):
     return load_reference(path, cfg, dtype)
-  wpath, cpath = head_paths(path)
-  if not wpath.exists():
-    raise FileNotFoundError(f"no EAGLE-3 head weights at {wpath}")
-  meta = json.loads(cpath.read_text())
-  got, want = meta.get("target_config", {}), dataclasses.asdict(cfg)
-  bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers")
-         if k in got and got[k] != want[k]]
-  if bad:
-    raise UserError(f"EAGLE-3 head {wpath} was trained for another target: "
-                     + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad))
+  flat, meta, wpath = head_file.load_head(path, FORMAT)
+  check_target(meta, cfg, ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers"),
+               f"EAGLE-3 head {wpath}")
   hc = Eagle3Config.make(cfg, meta["draft_vocab"], meta["ffn_dim"], meta["tap_layers"])
-  flat = load_file(str(wpath))
-  d2t = (flat.pop("d2t") + np.arange(hc.draft_vocab)).astype(np.int32)
-  flat.pop("t2d", None)
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Eagle3Head(hc, rngs=nnx.Rngs(0))))[1])
-  pure, used = fill_from_tensors(abstract, flat, _file_names, what=f"EAGLE-3 head {wpath}", dtype=dtype)
-  unused = sorted(set(flat) - used)
-  if unused:
-    raise UserError(f"EAGLE-3 head {wpath} has tensors this head has no place for: {unused[:6]}")
+  pure, d2t = read_head_tensors(flat, hc, f"EAGLE-3 head {wpath}", dtype)
   return pure, d2t, hc, meta
 
 

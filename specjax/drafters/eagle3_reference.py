@@ -23,10 +23,7 @@ import json
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from specjax.drafters.head_file import fill_from_tensors
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 
@@ -73,7 +70,7 @@ def load_reference(folder, cfg: ModelConfig, dtype=None):
   not know."""
   from safetensors.numpy import load_file
 
-  from specjax.drafters.eagle3 import Eagle3Config, Eagle3Head, _file_names
+  from specjax.drafters.eagle3 import Eagle3Config, read_head_tensors
   folder = Path(folder)
   meta = json.loads((folder / "config.json").read_text())
   want = {"hidden_size": cfg.d_model, "target_hidden_size": cfg.d_model, "vocab_size": cfg.vocab_size,
@@ -95,18 +92,9 @@ def load_reference(folder, cfg: ModelConfig, dtype=None):
     hc = Eagle3Config.make(cfg, draft_vocab, int(meta["intermediate_size"]), taps)
   except ValueError as e:
     raise UserError(f"EAGLE-3 head {folder}: {e}") from None
-  d2t = (flat.pop("d2t") + np.arange(draft_vocab)).astype(np.int32) if "d2t" in flat \
-      else np.arange(draft_vocab, dtype=np.int32)
   for name in NOT_NEEDED:
     flat.pop(name, None)
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Eagle3Head(hc, rngs=nnx.Rngs(0))))[1])
-  try:
-    pure, used = fill_from_tensors(abstract, flat, _file_names, what=f"EAGLE-3 head {folder}", dtype=dtype)
-  except (KeyError, ValueError) as e:        # a missing or misshapen tensor, named
-    raise UserError(str(e).strip("'\"")) from None
-  unknown = sorted(set(flat) - used)
-  if unknown:
-    raise UserError(f"EAGLE-3 head {folder} has tensors this head has no place for: {unknown[:6]}")
+  pure, d2t = read_head_tensors(flat, hc, f"EAGLE-3 head {folder}", dtype)
   return pure, d2t, hc, meta
 
 

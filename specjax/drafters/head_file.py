@@ -1,14 +1,65 @@
-"""Reading trained drafter weights (MTP, EAGLE-3, DFlash heads) out of a flat safetensors dict into
-the nested parameter dict of the head's module: each head names, per parameter leaf, the file
-tensors it is made of (fused leaves are several tensors concatenated on axis 0) and whether the
-file stores it transposed."""
+"""A trained drafter's file (MTP, EAGLE-3, DFlash heads), shared by every kind of head:
+
+- the module / parameter split: a head is defined as a Flax NNX module and travels as a pure dict
+  of its parameters (`params_of`, `abstract_params`), merged back into the module inside a trace
+  (`graphdef_of`);
+- the file: `X.safetensors` (HF-style tensor names, [out, in] layout, fused projections stored as
+  their parts; in shards past ~19 MB) beside `X.json` (the head's kind as `format`, its shape, the
+  target config it was trained for), or a folder holding `<stem>.safetensors` + `<stem>.json`
+  (`save_head`, `load_head`);
+- the mapping between the two: each head names, per parameter leaf, the file tensors it is made
+  of (fused leaves are several tensors concatenated on axis 0) and whether the file stores it
+  transposed (`hf_names`, `tensors_from`, `params_from_tensors`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
 from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from specjax.errors import UserError
+from specjax.models.weights import FUSED
+
+
+def params_of(params) -> dict:
+  """The pure dict of a module's parameters (a module, an nnx.State, or already a pure dict)."""
+  if isinstance(params, nnx.Module):
+    params = nnx.split(params)[1]
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def graphdef_of(make: Callable[[], nnx.Module]):
+  """The graph definition of the module `make()` builds, without allocating its parameters (merge it
+  with a pure dict of parameters inside a trace: `nnx.merge(graphdef, params)`)."""
+  return nnx.split(nnx.eval_shape(make))[0]
+
+
+def abstract_params(make: Callable[[], nnx.Module]) -> dict:
+  """The parameter tree of `make()` as a pure dict of shapes (what a file is read into)."""
+  return nnx.to_pure_dict(nnx.split(nnx.eval_shape(make))[1])
+
+
+def hf_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
+  """Parameter path -> (tensor names in the file, stored transposed?) by HF's conventions: a
+  module's `kernel` is `<module>.weight` stored [out, in], a `bias` is `<module>.bias`, a norm's
+  `weight` stays; fused projections (qkv_proj, gate_up_proj) are stored as their HF parts."""
+  parts, leaf = list(path[:-1]), path[-1]
+  hf_leaf = "bias" if leaf == "bias" else "weight"
+  if parts and parts[-1] in FUSED:
+    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]], leaf == "kernel"
+  return [".".join(parts + [hf_leaf])], leaf == "kernel"
+
+
+def fused_sizes(cfg) -> dict[str, tuple[int, ...]]:
+  """Axis-0 sizes of the parts of each fused projection of a decoder layer of config `cfg`."""
+  h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  return {"qkv_proj": (h * d, kvh * d, kvh * d), "gate_up_proj": (cfg.ffn_dim, cfg.ffn_dim)}
 
 
 def leaves(tree: dict, prefix: tuple[str, ...] = ()):
@@ -46,10 +97,35 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
   return out, used
 
 
+def params_from_tensors(abstract: dict, flat: dict, file_names, *, what: str, dtype=None, prefix: str = "",
+                        int_keys: bool = False) -> tuple[dict, set]:
+  """`fill_from_tensors`, with a missing or misshapen tensor as a UserError naming it."""
+  try:
+    return fill_from_tensors(abstract, flat, file_names, what=what, dtype=dtype, prefix=prefix, int_keys=int_keys)
+  except (KeyError, ValueError) as e:
+    raise UserError(str(e).strip("'\"")) from None
+
+
+def refuse_unplaced(flat: dict, used: set, what: str, whose: str = "this head") -> None:
+  """A UserError naming the file tensors of `flat` that no parameter took (a head of another shape)."""
+  unused = sorted(set(flat) - set(used))
+  if unused:
+    raise UserError(f"{what} has tensors {whose} has no place for: {unused[:6]}")
+
+
+def check_target(meta: dict, cfg, keys: tuple[str, ...], what: str, *, strict: bool = False) -> None:
+  """A UserError when the target config a head was trained for (its JSON's `target_config`) differs
+  from `cfg` in one of `keys`; a key the file does not record passes unless `strict`."""
+  got, want = meta.get("target_config", {}), dataclasses.asdict(cfg)
+  bad = [k for k in keys if (strict or k in got) and got.get(k) != want[k]]
+  if bad:
+    raise UserError(f"{what} was trained for another target: "
+                    + ", ".join(f"{k} {got.get(k)} != {want[k]}" for k in bad))
+
+
 def file_paths(path, stem: str):
   """(weights, config) of a head file: `X.safetensors` + `X.json` (either may be named), or a
   directory holding `<stem>.safetensors` + `<stem>.json`."""
-  from pathlib import Path
   path = Path(path)
   if path.suffix == ".safetensors":
     return path, path.with_suffix(".json")
@@ -83,8 +159,6 @@ def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BY
   are larger: the first file's metadata "shards" lists the others (comma-separated names in the
   same folder). Tensors keep their order; one larger than max_bytes gets a shard of its own.
   -> the files written."""
-  from pathlib import Path
-
   from safetensors.numpy import save_file
   wpath = Path(wpath)
   groups, size = [[]], 0
@@ -108,8 +182,6 @@ def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BY
 
 def load_tensors(wpath) -> dict:
   """The file tensors of `wpath` and of the shards its metadata names (`save_tensors`)."""
-  from pathlib import Path
-
   from safetensors import safe_open
   from safetensors.numpy import load_file
   wpath = Path(wpath)
@@ -127,17 +199,45 @@ def load_tensors(wpath) -> dict:
 # the `format` field of each head kind's JSON config, and what the head is called in messages
 HEAD_KINDS = {"specjax-mtp-v1": "an MTP head", "specjax-eagle3-v1": "an EAGLE-3 head",
               "specjax-dflash-v1": "a DFlash drafter"}
+# each head kind's file stem and the module whose `export_file(head, out)` writes its reference layout
+EXPORTERS = {"specjax-eagle3-v1": ("eagle3_head", "specjax.drafters.eagle3_reference"),
+             "specjax-dflash-v1": ("dflash", "specjax.drafters.dflash_reference"),
+             "specjax-mtp-v1": ("mtp_head", "specjax.drafters.mtp_reference")}
+
+
+def head_paths(path, kind: str) -> tuple[Path, Path]:
+  """(weights, config) of a head of format `kind`: `X.safetensors` + `X.json`, or a folder with the
+  kind's stem (`mtp_head`, `eagle3_head`, `dflash`)."""
+  return file_paths(path, EXPORTERS[kind][0])
+
+
+def save_head(path, kind: str, tensors: dict, config: dict, *, tensor_metadata: dict | None = None) -> tuple[Path, Path]:
+  """Write a head of format `kind`: its file tensors as safetensors (metadata: the format, and
+  `tensor_metadata`; in shards past ~19 MB, `save_tensors`) and its JSON config {"format": kind,
+  **config}. -> (weights, config) paths."""
+  wpath, cpath = head_paths(path, kind)
+  wpath.parent.mkdir(parents=True, exist_ok=True)
+  save_tensors(tensors, wpath, {"format": kind, **(tensor_metadata or {})})
+  cpath.write_text(json.dumps({"format": kind, **config}, indent=1, default=str) + "\n")
+  return wpath, cpath
+
+
+def load_head(path, kind: str, *, config_optional: bool = False) -> tuple[dict, dict, Path]:
+  """(file tensors, JSON config, weights path) of a head of format `kind` written by `save_head`
+  (shards included); a missing config is {} when `config_optional`."""
+  wpath, cpath = head_paths(path, kind)
+  if not wpath.exists():
+    raise FileNotFoundError(f"no {HEAD_KINDS[kind].split(' ', 1)[1]} weights at {wpath}")
+  meta = json.loads(cpath.read_text()) if cpath.exists() or not config_optional else {}
+  return load_tensors(wpath), meta, wpath
 
 
 def check_head_file(path, stem: str, fmt: str, *, config_optional: bool = False):
   """(weights, config) paths of a head for a speculator that needs format `fmt`, after the checks
   that need no model: both files exist, the JSON parses and is of that kind (not another kind of
   head), and the weights (and the shards they name) are safetensors files. Raises UserError."""
-  import json
-
   from safetensors import safe_open
 
-  from specjax.errors import UserError
   wpath, cpath = file_paths(path, stem)
   want = HEAD_KINDS[fmt]
   if not wpath.is_file():
@@ -171,16 +271,8 @@ def check_head_file(path, stem: str, fmt: str, *, config_optional: bool = False)
   return wpath, cpath
 
 
-# each head kind's file stem and the module whose `export_file(head, out)` writes its reference layout
-EXPORTERS = {"specjax-eagle3-v1": ("eagle3_head", "specjax.drafters.eagle3_reference"),
-             "specjax-dflash-v1": ("dflash", "specjax.drafters.dflash_reference"),
-             "specjax-mtp-v1": ("mtp_head", "specjax.drafters.mtp_reference")}
-
-
 def head_format(path) -> str | None:
   """The specjax format of a head file (its JSON's `format`, else its safetensors metadata's), or None."""
-  import json
-
   from safetensors import safe_open
   for fmt, (stem, _) in EXPORTERS.items():
     wpath, cpath = file_paths(path, stem)
@@ -204,7 +296,6 @@ def export_head(path, out):
   the exporter). -> the folder written."""
   import importlib
 
-  from specjax.errors import UserError
   fmt = head_format(path)
   if fmt is None:
     raise UserError(f"{path}: not a specjax EAGLE-3, DFlash or MTP head (X.safetensors beside X.json, or its folder)")

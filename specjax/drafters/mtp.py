@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,8 +43,9 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
-from specjax.drafters.head_file import file_paths, fill_from_tensors, tensors_from
-from specjax.errors import UserError
+from specjax.drafters import head_file
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+                                        params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import (Block, attention_masks, embed_tokens, final_norm, lm_head_logits,
                                    logits_from_prenorm)
@@ -58,7 +58,6 @@ def rms_norm(x, weight, eps: float, offset: bool):
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   w = weight.astype(jnp.float32) + (1.0 if offset else 0.0)
   return (xf * w).astype(x.dtype)
-from specjax.models.weights import FUSED
 from specjax.models.kv_cache import KVCache
 
 FORMAT = "specjax-mtp-v1"
@@ -89,9 +88,7 @@ class MTPHead(nnx.Module):
 
 @functools.lru_cache(maxsize=None)
 def head_graphdef(cfg: ModelConfig, dtype_name: str):
-  abstract = nnx.eval_shape(lambda: MTPHead(cfg, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
-  graphdef, _ = nnx.split(abstract)
-  return graphdef
+  return graphdef_of(lambda: MTPHead(cfg, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
 
 
 def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.float32, *,
@@ -109,7 +106,7 @@ def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.floa
   heads = []
   for m in range(n_heads):
     head = MTPHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed + m))
-    pure = nnx.to_pure_dict(nnx.split(head)[1])
+    pure = params_of(head)
     if block_from_layer is not None:
       layers = nnx.to_pure_dict(target_params)["layers"]
       src = layers[block_from_layer % cfg.n_layers]
@@ -298,11 +295,6 @@ class MTPDrafter(DeviceDrafter):
 # saving and loading heads: bf16 safetensors + a JSON config
 
 
-def _fused_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  return {"qkv_proj": (h * d, kvh * d, kvh * d), "gate_up_proj": (cfg.ffn_dim, cfg.ffn_dim)}
-
-
 def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   """A head parameter path -> (tensor names in the file, stored transposed [out, in]?).
 
@@ -310,66 +302,41 @@ def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [D, 2D], then the decoder layer's own
   (`input_layernorm.weight`, `self_attn.q_proj.weight`, `mlp.gate_proj.weight`, ...); fused
   projections are stored as their HF parts."""
-  parts = list(path[1:]) if path[0] == "block" else list(path)
-  leaf = parts[-1]
-  transposed = leaf == "kernel"
-  hf_leaf = "bias" if leaf == "bias" else "weight"
-  if len(parts) >= 2 and parts[-2] in FUSED:
-    return [".".join(parts[:-2] + [p, hf_leaf]) for p in FUSED[parts[-2]]], transposed
-  return [".".join(parts[:-1] + [hf_leaf])], transposed
+  return hf_names(tuple(path[1:]) if path[0] == "block" else tuple(path))
 
 
 def head_paths(path: str | Path) -> tuple[Path, Path]:
   """(weights, config) of a head: `X.safetensors` + `X.json`, or a directory with `mtp_head.*`."""
-  return file_paths(path, "mtp_head")
+  return head_file.head_paths(path, FORMAT)
 
 
 def save_heads(path: str | Path, heads: Sequence, cfg: ModelConfig, *, dtype="bfloat16",
                extra: dict | None = None) -> tuple[Path, Path]:
   """Write the heads as `dtype` safetensors (`mtp.{m}.<HF name>`, [out, in] layout) and a JSON
   config (the target config they were trained for, the head count, and `extra`)."""
-  from safetensors.numpy import save_file
-  wpath, cpath = head_paths(path)
-  wpath.parent.mkdir(parents=True, exist_ok=True)
-  sizes = _fused_sizes(cfg)
   flat = {}
   for m, hp in enumerate(heads):
-    pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-    flat.update(tensors_from(pure, _file_names, sizes, dtype=dtype, prefix=f"mtp.{m}."))
-  meta = {"format": FORMAT, "n_heads": len(heads), "dtype": str(jnp.dtype(dtype)),
-          "target_config": dataclasses.asdict(cfg), **(extra or {})}
-  save_file(flat, str(wpath), metadata={"format": FORMAT, "n_heads": str(len(heads))})
-  cpath.write_text(json.dumps(meta, indent=1, default=str) + "\n")
-  return wpath, cpath
+    flat.update(tensors_from(params_of(hp), _file_names, fused_sizes(cfg), dtype=dtype, prefix=f"mtp.{m}."))
+  config = {"n_heads": len(heads), "dtype": str(jnp.dtype(dtype)), "target_config": dataclasses.asdict(cfg),
+            **(extra or {})}
+  return head_file.save_head(path, FORMAT, flat, config, tensor_metadata={"n_heads": str(len(heads))})
 
 
 def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[dict, ...], dict]:
   """(heads as a tuple of pure dicts, JSON config) for target config `cfg`; refuses a head trained
   for a target of other sizes. `dtype` casts (default: as stored)."""
-  from safetensors.numpy import load_file
-  wpath, cpath = head_paths(path)
-  if not wpath.exists():
-    raise FileNotFoundError(f"no MTP head weights at {wpath}")
-  meta = json.loads(cpath.read_text()) if cpath.exists() else {}
-  got = meta.get("target_config", {})
-  want = dataclasses.asdict(cfg)
-  bad = [k for k in ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
-         if k in got and got[k] != want[k]]
-  if bad:
-    raise UserError(f"MTP head {wpath} was trained for another target: "
-                     + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad))
-  flat = load_file(str(wpath))
+  flat, meta, wpath = head_file.load_head(path, FORMAT, config_optional=True)
+  check_target(meta, cfg, ("arch", "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"),
+               f"MTP head {wpath}")
   n_heads = int(meta.get("n_heads", 1 + max(int(k.split(".")[1]) for k in flat)))
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, rngs=nnx.Rngs(0))))[1])
+  abstract = abstract_params(lambda: MTPHead(cfg, rngs=nnx.Rngs(0)))
   heads, used = [], set()
   for m in range(n_heads):
-    pure, names = fill_from_tensors(abstract, flat, _file_names, what=f"MTP head {wpath}", dtype=dtype,
-                                    prefix=f"mtp.{m}.")
+    pure, names = params_from_tensors(abstract, flat, _file_names, what=f"MTP head {wpath}", dtype=dtype,
+                                      prefix=f"mtp.{m}.")
     heads.append(pure)
     used |= names
-  unused = sorted(set(flat) - used)
-  if unused:
-    raise UserError(f"MTP head {wpath} has tensors this target's head has no place for: {unused[:6]}")
+  refuse_unplaced(flat, used, f"MTP head {wpath}", "this target's head")
   return tuple(heads), meta
 
 

@@ -39,7 +39,8 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.dflash_reference import read_safetensors, write_safetensors
-from specjax.drafters.head_file import fill_from_tensors, tensors_from
+from specjax.drafters.head_file import (abstract_params, fused_sizes, params_from_tensors, params_of, refuse_unplaced,
+                                        tensors_from)
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 
@@ -120,7 +121,6 @@ def _shared_across(heads, outs) -> bool:
 def export_reference(folder, heads, outs, cfg: ModelConfig, style: str, *, dtype="bfloat16") -> Path:
   """Write reference-style heads (tuples of pure dicts: MTPHead params, {"norm", "lm_head"?}) for
   target `cfg` to `folder` in `style`'s layout. -> the folder."""
-  from specjax.drafters.mtp import _fused_sizes
   if style not in STYLES:
     raise UserError(f"MTP style {style!r} has no reference layout; one of {STYLES}")
   if style == "qwen3_next" and not _shared_across(heads, outs):
@@ -131,8 +131,7 @@ def export_reference(folder, heads, outs, cfg: ModelConfig, style: str, *, dtype
   flat = {}
   for m, (hp, out) in enumerate(zip(heads, outs)):
     prefix, names = names_of(style, m, cfg.n_layers)
-    pure = nnx.to_pure_dict(hp) if isinstance(hp, nnx.State) else hp
-    flat.update(tensors_from(pure, names, _fused_sizes(cfg), dtype=dtype, prefix=prefix))
+    flat.update(tensors_from(params_of(hp), names, fused_sizes(cfg), dtype=dtype, prefix=prefix))
     norm_name, head_name = out_names(style, m, cfg.n_layers)
     flat[norm_name] = np.asarray(jnp.asarray(out["norm"], dtype))
     if "lm_head" in out:
@@ -158,15 +157,12 @@ def load_reference(folder, cfg: ModelConfig, dtype=None):
   n_target = int(meta.get("num_hidden_layers", cfg.n_layers))
   flat = read_safetensors(folder, what)
   style = "qwen3_next" if any(k.startswith("mtp.") for k in flat) else "deepseek_v3"
-  abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: MTPHead(cfg, rngs=nnx.Rngs(0))))[1])
+  abstract = abstract_params(lambda: MTPHead(cfg, rngs=nnx.Rngs(0)))
   cast = (lambda x: jnp.asarray(x, dtype)) if dtype is not None else jnp.asarray
   heads, outs, used = [], [], set()
   for m in range(n):
     prefix, names = names_of(style, m, n_target)
-    try:
-      pure, got = fill_from_tensors(abstract, flat, names, what=what, dtype=dtype, prefix=prefix)
-    except (KeyError, ValueError) as e:        # a missing or misshapen tensor, named
-      raise UserError(str(e).strip("'\"")) from None
+    pure, got = params_from_tensors(abstract, flat, names, what=what, dtype=dtype, prefix=prefix)
     norm_name, head_name = out_names(style, m, n_target)
     if norm_name not in flat:
       raise UserError(f"{what} lacks tensor {norm_name!r}")
@@ -178,9 +174,7 @@ def load_reference(folder, cfg: ModelConfig, dtype=None):
     heads.append(pure)
     outs.append(out)
     used |= got | {norm_name, head_name, f"model.layers.{n_target + m}.embed_tokens.weight"}
-  unknown = sorted(set(flat) - used)
-  if unknown:
-    raise UserError(f"{what} has tensors this target's MTP head has no place for: {unknown[:6]}")
+  refuse_unplaced(flat, used, what, "this target's MTP head")
   return tuple(heads), tuple(outs), style, meta
 
 
