@@ -18,7 +18,7 @@ def compare(old: dict, new: dict, tolerance: float) -> dict:
     if n is None:
       continue
     o, n = o["overall"], n["overall"]
-    ratio = n["tokens_per_s"] / o["tokens_per_s"]
+    ratio = n["tokens_per_s"] / max(o["tokens_per_s"], 1e-9)
     rows[method] = {"old_tokens_per_s": o["tokens_per_s"], "new_tokens_per_s": n["tokens_per_s"],
                     "new_over_old": ratio, "within_tolerance": ratio >= 1 - tolerance,
                     "old_tau": o.get("tau"), "new_tau": n.get("tau"), "old_equal": o.get("equal"),
