@@ -38,9 +38,11 @@ class DraftParamsConfig:
 @dataclasses.dataclass(frozen=True)
 class MethodConfig:
   name: str
-  speculator: str                                   # "draft", "ngram_simple", ..., or a chain "a,b"
+  speculator: str                                   # "draft", "ngram_simple", ..., or a chain "a,b" (from
+                                                    # Python also a drafter object: `make_speculator` takes one)
   draft_model: str | None = None
-  head: str | None = None                           # trained head file for "mtp" (and later eagle3 / dflash)
+  head: str | None = None                           # trained head file (mtp, eagle3, dflash); from Python also a
+                                                    # head in memory, as the speculator's builder takes it
   policy: str = "best"                              # chains: "best" | "first"
   options: dict = dataclasses.field(default_factory=dict)
   draft_params: DraftParamsConfig = DraftParamsConfig()

@@ -73,8 +73,9 @@ class PromptRecord:
   gen_tokens: int = 0
   acc_tokens: int = 0
   emitted: int = 0
-  drafted_by_pos: list = dataclasses.field(default_factory=list)
+  drafted_by_pos: list = dataclasses.field(default_factory=list)    # kept when the batch is this one prompt
   accepted_by_pos: list = dataclasses.field(default_factory=list)
+  batch_by_pos: dict | None = None   # {"drafted", "accepted"} of a batch of several (on its first prompt)
   draft_seconds: float = 0.0
   equal_to_plain: bool | None = None
   adaptive: dict | None = None  # adaptive drafting's record of the batch (on the batch's first prompt)
@@ -226,7 +227,8 @@ def run_batch(cfg: ExperimentConfig, target, runner: Runner | None, method: Meth
   todo = set() if todo is None else todo
   records = []
   answers: dict[int, list[str]] = {i: [] for i in range(len(batch))}
-  for turn in range(_n_turns(cfg, batch)):
+  n_turns = _n_turns(cfg, batch)
+  for turn in range(n_turns):
     idx = [i for i, q in enumerate(batch) if turn < len(q.turns)]
     prompts = {i: _encode(cfg, tok, _messages(batch[i], answers[i], turn)) for i in idx}
     out = {i: done[(batch[i].question_id, turn)] for i in idx if (batch[i].question_id, turn) in done}
@@ -244,7 +246,8 @@ def run_batch(cfg: ExperimentConfig, target, runner: Runner | None, method: Meth
       if on_rows is not None:
         on_rows(fresh)
     for i in idx:
-      answers[i].append(tok.decode(out[i].tokens))
+      if turn + 1 < n_turns:   # the answer goes into the next turn's chat
+        answers[i].append(tok.decode(out[i].tokens))
       records.append(out[i])
     if bar is not None:
       bar.update(len(idx))
@@ -266,7 +269,20 @@ def _record(name: str, q: Question, turn: int, r, j: int, n: int, repeat_seconds
     rec.adaptive = st.adaptive if j == 0 else None
     if n == 1:   # per-position counts are per batch; kept when the batch is one prompt
       rec.drafted_by_pos, rec.accepted_by_pos = list(st.drafted_by_pos), list(st.accepted_by_pos)
+    elif j == 0:
+      rec.batch_by_pos = {"drafted": list(st.drafted_by_pos), "accepted": list(st.accepted_by_pos)}
   return rec
+
+
+def position_counts(records: list[PromptRecord]) -> tuple[np.ndarray, np.ndarray]:
+  """(drafted [K], accepted [K]) of one method over every batch of `records`: the counts of
+  one-prompt batches and those of larger batches (kept on their first prompt). Whole batches only:
+  the counts of a batch cannot be split by prompt (or by category)."""
+  counts = [(r.drafted_by_pos, r.accepted_by_pos) for r in records if r.drafted_by_pos]
+  counts += [(r.batch_by_pos["drafted"], r.batch_by_pos["accepted"]) for r in records if r.batch_by_pos]
+  if not counts:
+    return np.zeros(0), np.zeros(0)
+  return np.sum([d for d, _ in counts], axis=0), np.sum([a for _, a in counts], axis=0)
 
 
 def repeat_spread(tokens: int, seconds_by_repeat: list[float]) -> dict | None:
@@ -280,7 +296,7 @@ def repeat_spread(tokens: int, seconds_by_repeat: list[float]) -> dict | None:
   return {"n": len(seconds_by_repeat), "seconds": stats(seconds_by_repeat), "tokens_per_s": stats(tps)}
 
 
-def _summary(records: list[PromptRecord], plain: dict) -> dict:
+def summarize(records: list[PromptRecord], plain: dict) -> dict:
   """One method's figures over `records`: seconds and tokens/s take each batch's fastest repeat;
   `repeat_spread` gives min / median / max over repeats beside them."""
   speedups = [r.tokens_per_s / plain[(r.question_id, r.turn)].tokens_per_s for r in records
@@ -497,24 +513,31 @@ def _digest(tokens: list[int]) -> str:
   return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:16]
 
 
+def compare_with_plain(by_method: dict[str, list[PromptRecord]]) -> dict:
+  """Set each record's `equal_to_plain` (its tokens are plain decoding's for the same prompt; None
+  where plain decoding did not run it). -> plain decoding's records by (question_id, turn)."""
+  plain = {(r.question_id, r.turn): r for r in by_method.get(PLAIN, [])}
+  for recs in by_method.values():
+    for r in recs:
+      ref = plain.get((r.question_id, r.turn))
+      r.equal_to_plain = None if ref is None else (r.tokens == ref.tokens)
+  return plain
+
+
 def result_dict(cfg: ExperimentConfig, by_method: dict[str, list[PromptRecord]], wall: float, *,
                 files: dict | None = None, complete: bool = True, resumed_rows: int = 0,
                 provenance: dict | None = None) -> dict:
   """The result (JSON-ready) of measured records: each record is compared with plain decoding's
   answer to the same prompt, then summarized per method, overall and by category; with the
   provenance of the run (git revision, device, environment, files read)."""
-  plain = {(r.question_id, r.turn): r for r in by_method.get(PLAIN, [])}
-  for recs in by_method.values():
-    for r in recs:
-      ref = plain.get((r.question_id, r.turn))
-      r.equal_to_plain = None if ref is None else (r.tokens == ref.tokens)
+  plain = compare_with_plain(by_method)
   summary = {}
   for name, recs in by_method.items():
     cats = defaultdict(list)
     for r in recs:
       cats[r.category].append(r)
-    summary[name] = {"overall": _summary(recs, plain),
-                     "by_category": {c: _summary(rs, plain) for c, rs in sorted(cats.items())}}
+    summary[name] = {"overall": summarize(recs, plain),
+                     "by_category": {c: summarize(rs, plain) for c, rs in sorted(cats.items())}}
   p = provenance or {}
   return {
       "experiment": cfg.name,

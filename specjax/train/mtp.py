@@ -255,74 +255,29 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
 def evaluate_head(target, head, *, prompt_set: str = "mt_bench", per_category: int = 1, n_max=(1, 2, 3, 4),
                   max_new_tokens: int = 128, temperature: float = 0.0, batch_size: int | None = None,
                   seed: int = 0, progress: bool = True) -> dict:
-  """tau (tokens per verification round) and acceptance by draft position of a head on the first
-  turns of `per_category` questions of each category of `prompt_set`, for each n_max; plus
-  tokens/s against plain decoding of the same batch and whether the outputs equal plain decoding's
-  (greedy). Every configuration runs once untimed first (compilation)."""
+  """tau (tokens per verification round, also by category) and acceptance by draft position of a
+  head (a file, or heads in memory) on the first turns of `per_category` questions of each category
+  of `prompt_set`, for each n_max; plus tokens/s against plain decoding of the same batches and
+  whether the outputs equal plain decoding's (greedy). Measured by the bench harness
+  (`specjax.train.head_eval`)."""
   from specjax.bench.env import device_info, git_revision
   from specjax.bench.prompts import load_prompt_set
-  from specjax.engine.decode import generate_plain
-  from specjax.drafters.base import DraftParams
-  from specjax.drafters.mtp import make_mtp_drafter
-  from specjax.engine import speculative_generate
-  from specjax.engine.generation import PROMPT_BUCKET, round_up
-  from specjax.engine.sampling import SamplingParams
+  from specjax.train.head_eval import evaluate_rows, head_method
 
   questions, per = [], {}
   for q in load_prompt_set(prompt_set):
     if per.get(q.category, 0) < per_category:
       per[q.category] = per.get(q.category, 0) + 1
       questions.append(q)
-  tok = target.tokenizer
-  prompts = [tok.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
-  b = batch_size or len(prompts)
-  stop = tuple(tok.eos_ids)
-  width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)                   # as pad_prompts pads
-  cap = round_up(width + max_new_tokens + max(n_max) + 2, 64)
-
-  def run(fn, chunk):
-    fn(chunk)                                   # compile / warm up
-    return fn(chunk)
-
-  def batches():
-    return [prompts[i:i + b] for i in range(0, len(prompts), b)]
-
-  def sampling(n):
-    return SamplingParams.make(n, temperature=temperature, seed=seed)
-
-  plain_tokens, plain_s = [], 0.0
-  for chunk in batches():
-    r = run(lambda c: generate_plain(target.params, target.cfg, c, max_new_tokens=max_new_tokens,
-                                     sampling=sampling(len(c)), stop_ids=stop, capacity=cap), chunk)
-    plain_tokens += r.tokens
-    plain_s += r.seconds
-  n_plain = sum(len(t) for t in plain_tokens)
-  results = []
-  for nm in n_max:
-    dp = DraftParams(n_max=nm)
-    drafter = make_mtp_drafter(target, head, dp)
-    toks, secs, rounds, emitted, drafted, accepted = [], 0.0, 0, 0, np.zeros(nm), np.zeros(nm)
-    for chunk in batches():
-      r = run(lambda c: speculative_generate(target.params, target.cfg, c, drafter, max_new_tokens=max_new_tokens,
-                                             sampling=sampling(len(c)), draft_params=dp, stop_ids=stop,
-                                             capacity=cap), chunk)
-      toks += r.tokens
-      secs += r.seconds
-      rounds += r.stats.rounds
-      emitted += r.stats.emitted
-      drafted += np.asarray(r.stats.drafted_by_pos[:nm])
-      accepted += np.asarray(r.stats.accepted_by_pos[:nm])
-    n_tok = sum(len(t) for t in toks)
-    row = {"n_max": nm, "tau": emitted / max(rounds, 1), "rounds": rounds, "tokens": n_tok,
-           "acceptance_by_pos": (accepted / np.maximum(drafted, 1)).round(4).tolist(),
-           "tokens_per_s": n_tok / secs, "speedup": (n_tok / secs) / (n_plain / plain_s),
-           "equal_to_plain": sum(a == p for a, p in zip(toks, plain_tokens)) / len(toks)}
-    results.append(row)
-    if progress:
-      print(f"[eval mtp] n_max={nm}: tau {row['tau']:.3f}, acceptance by position {row['acceptance_by_pos']}, "
-            f"{row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x plain), equal {row['equal_to_plain']:.2f}",
-            flush=True)
+  b = batch_size or len(questions)
+  methods = [head_method(target, f"mtp n{nm}", "mtp", head, nm) for nm in n_max]
+  rows = evaluate_rows(target, questions, methods, temperatures=(temperature,), max_new_tokens=max_new_tokens,
+                       batch_size=b, seed=seed, progress=progress, tag="eval mtp")
+  keys = ("n_max", "tau", "rounds", "tokens", "acceptance_by_pos", "tokens_per_s", "speedup", "equal_to_plain",
+          "tau_by_category")
   return {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
           "categories": [q.category for q in questions], "max_new_tokens": max_new_tokens,
-          "temperature": temperature, "batch_size": b, "plain_tokens_per_s": n_plain / plain_s,
-          "results": results, "head": str(head), "git_revision": git_revision(), "device": device_info()}
+          "temperature": temperature, "batch_size": b, "plain_tokens_per_s": rows[0]["tokens_per_s"],
+          "results": [{k: r.get(k) for k in keys} for r in rows[1:]],
+          "head": str(head) if isinstance(head, (str, Path)) else "(in memory)",
+          "git_revision": git_revision(), "device": device_info()}

@@ -76,7 +76,7 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   except Deadline:
     stop_reason = "seconds"
   plain = {(r.question_id, r.turn): r for r in plain_records}
-  plain_summary = harness._summary(plain_records, plain) if plain_records else None
+  plain_summary = harness.summarize(plain_records, plain) if plain_records else None
 
   space = Space(t)
 

@@ -25,4 +25,4 @@ def summarize(records: list[harness.PromptRecord], plain: dict) -> dict:
   for r in records:
     ref = plain.get((r.question_id, r.turn))
     r.equal_to_plain = None if ref is None else (r.tokens == ref.tokens)
-  return harness._summary(records, plain)
+  return harness.summarize(records, plain)
