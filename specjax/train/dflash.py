@@ -345,7 +345,8 @@ def score_blocks(loss_fn, dparams, tparams, ds, idx, batch_size: int) -> dict:
     if pad:
       rows = {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)]) for k, v in rows.items()}
       rows["lens"][-pad:] = 1
-      rows["loss_mask"][-pad:] = False
+      if "loss_mask" in rows:
+        rows["loss_mask"][-pad:] = False
     loss, m = fn(dparams, tparams, {k: jnp.asarray(v) for k, v in rows.items()}, jax.random.key(b))
     m = {**{k: float(v) for k, v in m.items()}, "loss": float(loss)}
     for k, v in m.items():
