@@ -9,35 +9,39 @@ finishes the batch soonest,
     w = argmin_w  cost(B, w) * max over live sequences i of remaining_i / tau_i(w),
 
 and the segment runs at that static width (w = 0: plain decode steps; the body holds one while_loop
-per width, all but the chosen one running zero rounds). A static batch
-runs until its slowest sequence is done, so at batch 64 on MT-bench one sequence with nothing to
-look up keeps the round count of plain decoding (fixed n_max 2 / 8 on an H100 took 124 / 125 rounds
-against plain decoding's 128, at mean tau 1.29 / 1.45) and speculation only adds cost per round;
-at batch 1 the rule is tokens per ms. cost(B, w) is the milliseconds of a round, timed once per
-shape in the warm-up with the same program (width pinned; `remember_costs`; `calibrate` is a
-forward-only first estimate). tau_i(w), expected tokens per round:
+per width, all but the chosen one running zero rounds). A static batch runs until its slowest
+sequence is done, so at a large batch one sequence with nothing to look up keeps the round count of
+plain decoding, and speculation then only adds cost per round: the batch's mean tau says little
+(at batch 64 on MT-bench every fixed n_max was slower than plain decoding despite a mean tau above
+1.2: experiments/results/raw/adaptive_h100_3e8cc57/adaptive_smollm2_b64.json); at batch 1 the rule
+is tokens per ms. cost(B, w) is the milliseconds of a round, timed once per shape in the warm-up
+with the same program (width pinned; `remember_costs`): costs timed with any other program
+disagree with the segments' wall times and make the controller hop between widths (`calibrate` is
+only a forward-only first estimate). tau_i(w), expected tokens per round:
 
 - replayed (`adaptive_replay`) for drafters whose drafts are point masses computed from the history
   alone (device ngram_simple): from the stream produced so far, whatever width produced it, the
   rounds speculation at every width would have taken, per sequence, shrunk toward the batch's
   figure by `prior_rounds` rounds; nothing needs exploring and plain-decoding segments still learn.
+  Replay, not the geometric model below, because for n-gram drafters the geometric model
+  over-predicts wide widths and keeps the loop at a width that runs slower than a narrow one.
 - otherwise censored-geometric per sequence: alpha_i = accepted / (accepted + rejections), decayed
   per segment, tau = 1 + alpha + .. + alpha^w; positions beyond the chosen width get no evidence, so
   the first segment and every `explore_every`-th is a short one (`explore_rounds`) at the widest width.
 
 Ties in predicted time go to the widest width (within `tie`, default exact ties only: estimates from
-the stream so far understate wide widths, but a 3% tie cost batch 32 6% on an H100), and before the
-run every width that a wider width matches in cost per round (within the tie) is pruned
-(`prune_widths`): a wider chain drafts at least the tokens a narrower one would. At batch 1 on an
-H100 width 8 timed cheaper per round than widths 0-2 (1.15 vs 1.22-1.26 ms), so those go; with every
+the stream so far understate wide widths, but a tie of a few percent let a narrow width win over
+plain decoding where it ran slower), and before the run every width that a wider width matches in
+cost per round (within the tie) is pruned (`prune_widths`): a wider chain drafts at least the tokens
+a narrower one would. A round at a narrow width can time dearer than one at a wide width (at batch 1
+width 8 timed cheapest of all widths: `measured_ms` in
+experiments/results/raw/adaptive_h100_0458cdb/adaptive_smollm2_b1.json), so those go; with every
 width but one pruned the program is the fixed loop at that width, with no segments.
 
-History of the device loop on an H100 (issue 11): the geometric model for n-gram drafters
-over-predicted wide widths (kept width 8: 15.5k tok/s at batch 64 where n_max 2 gave 21.4k); a
-`lax.switch` per round ran 24% slower than fixed n_max 2 (suspected copies of the KV cache through
-the conditional; per segment they are paid once per 16 rounds); host-driven segments cost ~8.5 ms
-each beyond their rounds and the warm-up's costs disagreed with the segments' wall times, so the
-controller hopped between widths (18.0k vs plain decoding's 22.5k).
+Why segments of while_loops chosen on the device: a `lax.switch` over widths every round ran rounds
+slower than the fixed loop (probably copies of the KV cache through the conditional; per segment
+such a cost is paid once per `segment_rounds` rounds), and segments driven from the host cost
+several milliseconds each beyond their rounds (experiments/README.md, adaptive drafting).
 
 The host loop (`HostController`, numpy, host drafters) chooses every round from acceptance by
 position p_j (`PositionRates`): w = argmax sum_i live_i (1 + p_1 + .. + p_min(w, n_i*)) / cost(w),
@@ -72,7 +76,8 @@ class AdaptiveConfig:
   widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
   segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment, on the
-                                  # device (host-driven segments cost ~8.5 ms each on an H100)
+                                  # device (segments driven from the host cost milliseconds each beyond
+                                  # their rounds)
   prior_rounds: float = 8.0       # device loop: a sequence's replayed tokens per round are shrunk toward
                                   # the batch's by this many rounds
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
@@ -80,8 +85,9 @@ class AdaptiveConfig:
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
   tie: float = 0.0                # device loop: widths whose predicted time is within this fraction of the best
                                   # tie, and the widest of them is chosen; a width is pruned when a wider one
-                                  # costs at most (1 + tie) times as much per round (`prune_widths`). 0.03
-                                  # cost batch 32 6% on an H100 (width 1 for 230 of 246 rounds: 0.941x plain)
+                                  # costs at most (1 + tie) times as much per round (`prune_widths`). Exact
+                                  # ties by default: a few percent let width 1 win over plain decoding at
+                                  # batch 32, where it ran slower (experiments/README.md, adaptive drafting)
 
   def widths_for(self, k: int) -> tuple[int, ...]:
     if self.widths is not None:
@@ -214,10 +220,11 @@ TIMED: set = set()        # shapes whose cached costs are timed whole rounds (no
 def remember_costs(key: tuple, costs) -> np.ndarray:
   """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
   per shape: `adaptive_loop.measure_round_costs`). Kept as timed, not made non-decreasing in the width:
-  a round at width 0 verifies one token per sequence, which the attention kernel did not serve
-  then (`kernels.verify_attention`: T > 1), so on an H100 at batch 64 it measured 3.2 ms against 1.7 ms
-  at width 1 and 2.4 ms at width 8; raising every width to width 0's figure made the costs flat
-  and the controller chose the widest width (17.1k tok/s where width 2 gave 20.8k)."""
+  a round at width 0 is a one-token decode step, which can cost more than a round at width 1 (a
+  different program, and a different attention path when one-token decode stays on the XLA
+  reference: `kernels.verify_attention`, SPECJAX_VERIFY_ATTENTION_DECODE=0); raising every width
+  to width 0's figure would make the costs flat, and the controller would choose the widest width
+  where a narrow one is faster."""
   out = np.maximum(np.asarray(costs, np.float32), 1e-3)
   TIMED.add(key)
   _COSTS[key] = out
@@ -228,8 +235,8 @@ def calibrate(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], *
               repeats: int = 5) -> np.ndarray:
   """[len(widths)] median ms of one target forward of w + 1 tokens per sequence at this batch and
   cache capacity (cache filled to `context`). Cached per shape, so a benchmark's warm-up pays it.
-  A first estimate: it leaves out the sampling / acceptance over [B, w+1, V] and the drafting, and
-  on an H200 at batch 64 it grew too little with w (the controller chose wide widths that cost as
+  A first estimate: it leaves out the sampling / acceptance over [B, w+1, V] and the drafting, so at
+  a large batch it grows too little with w (the controller would choose wide widths that cost as
   much as fixed n_max 8); the device loop's warm-up replaces it by timed whole rounds."""
   from specjax.engine.generation import target_of
   key = cost_key(params, cfg, batch, capacity, widths)
@@ -342,8 +349,9 @@ def choose_width_device(tau, live, remaining, costs, tie: float = 0.0):
 def prune_widths(widths: tuple[int, ...], costs, tie: float) -> tuple[tuple[int, ...], np.ndarray]:
   """The widths worth a place in the device loop, and their costs: width w goes when a wider one
   costs at most (1 + tie) times as much per round, since a wider chain drafts at least the tokens
-  a narrower one would, so it is never worse by more than that. At batch 1 on an H100 rounds at
-  widths 0-2 timed dearer than at width 8 (1.22-1.26 vs 1.15 ms): they go. Every width left is a
+  a narrower one would, so it is never worse by more than that. Narrow widths can time dearer per
+  round than wide ones (at batch 1, every width below 8: `measured_ms` in
+  experiments/results/raw/adaptive_h100_0458cdb/adaptive_smollm2_b1.json): they go. Every width left is a
   while_loop in the program (and a command buffer to update per call); one width left is the fixed
   loop, without the per-segment replay and width choice."""
   c = np.asarray(costs, np.float64)

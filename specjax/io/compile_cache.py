@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache for the command line.
 
-A speculative loop is one large jitted program per (model, speculator, shapes): on an H200 each
-bench method compiles for ~20-25 s, on a CPU for tens of seconds, and every new process paid that
+A speculative loop is one large jitted program per (model, speculator, shapes): each bench method
+compiles for tens of seconds, on a GPU as on a CPU, and without a cache every new process pays that
 again. The CLI (`specjax generate | bench | tune | train`) therefore keeps XLA's compiled
 executables on disk, under `$SPECJAX_HOME/jax_cache` (or `SPECJAX_COMPILE_CACHE_DIR`), so a rerun
 of the same command with the same shapes loads them instead. `SPECJAX_COMPILE_CACHE=0` turns it

@@ -28,7 +28,8 @@ def on_gpu() -> bool:
 
 
 def sm_count() -> int:
-  """Streaming multiprocessors of the first device (132 on an H100 / H200, assumed without info)."""
+  """Streaming multiprocessors of the first device (132 SMs, a Hopper GPU's count, assumed when the
+  device does not report it)."""
   try:
     return int(getattr(jax.devices()[0], "core_count", 0)) or 132
   except Exception:   # noqa: BLE001 - no device info

@@ -109,10 +109,9 @@ def _pow2(n: int) -> int:
 
 
 MAX_SPLITS = 256                                 # bounds the partials the merge reads back
-PROGRAMS_PER_SM = 1                              # split target: programs over the committed slots per SM. On an
-                                                 # H100 at batch 1 (12 shapes, ctx 4k/16k, K 4/8/16, 200 calls per
-                                                 # timed loop) 1 per SM beat 2 on 8 shapes, tied on 3, lost one by
-                                                 # 5%; min speedup over XLA 1.69x vs 1.52x
+PROGRAMS_PER_SM = 1                              # split target: programs over the committed slots per SM. At
+                                                 # batch 1 one per SM was faster than two on most shapes and
+                                                 # never much slower
                                                  # (experiments/results/verify_attention_b1split_h100.json)
 
 
@@ -306,9 +305,9 @@ def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Til
     return "xla", None
   if impl == "pallas":
     return "pallas", tiling
-  # one-token decode too: on an H200 the kernel was 0.97-2.32x the reference at T = 1 (17 of 18
-  # shapes faster), and on an H100 adaptive drafting's width-0 rounds on the reference cost 3.2 ms
-  # at batch 64 against 1.7 ms for width-1 rounds on the kernel
+  # one-token decode too: the kernel is faster than the reference at T = 1 as well
+  # (experiments/results/verify_attention_grid_h100.json, K = 0), and adaptive drafting's width-0
+  # rounds would otherwise cost more than its width-1 rounds on the kernel
   wanted = t > 1 or os.environ.get(DECODE_ENV, "1") == "1"
   key = (b, t, h, kvh, d, s_cap, jnp.dtype(dtype).name, tiling)   # compiled and compared once per shape
   if wanted and SWITCH.auto_serves(key, functools.partial(_probe, b, t, h, kvh, d, s_cap, dtype, tiling), log):

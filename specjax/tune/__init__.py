@@ -40,10 +40,11 @@ How it runs (`run_tune`):
    Plain decoding, the default and the best run on the held-out questions in the same process:
    `holdout.json` is a harness result (`specjax report`, `plot_result` read it).
 
-Cost: every new speculator configuration compiles its programs (SmolLM2-135M on an H200: 20-25 s
-a trial, against about 1 s of timed generation on 3 two-turn MT-bench questions), so budget
-~30 s a trial on a GPU. When compilation dominates like this, `random` over all tuning questions
-costs little more than halving's first rung and measures with less noise; halving pays off when
+Cost: every new speculator configuration compiles its programs, tens of seconds a trial even for a
+small target, against about a second of timed generation on a few questions (SmolLM2-135M trials:
+experiments/results/tune_smollm2_device_h100/trials.json), so budget ~30 s a trial on a GPU. When
+compilation dominates like this, `random` over all tuning questions costs little more than
+halving's first rung and measures with less noise; halving pays off when
 generation dominates (long answers, many questions, configurations that share programs).
 
 Timings are the bench harness's (`specjax.bench.harness.Runner`, one runner for both): each trial
