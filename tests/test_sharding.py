@@ -155,7 +155,7 @@ def _free_port() -> int:
 def test_two_processes_give_the_one_process_tokens():
   """Two CPU processes (one device each, gloo collectives) joined by a localhost coordinator run
   the model axis across them; process 0's tokens equal one process's with both devices."""
-  names = "plain,draft"   # not yet a host drafter: across processes its loop donates one buffer twice (RoundStats.zeros)
+  names = "plain,draft,suffix"   # a device drafter and a host drafter
   env = {"SPECJAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}", "SPECJAX_NUM_PROCESSES": "2",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
   procs = [subprocess.Popen([sys.executable, str(WORKER), "dist", "data=1,model=2", names], cwd=ROOT,

@@ -51,6 +51,22 @@ def check_compatible(target_tok, draft_tok) -> None:
     raise IncompatibleDraftError("draft model is not compatible with the target: " + "; ".join(problems))
 
 
+def catch_up_window(ctx: DraftContext, draft_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The committed tokens a draft model's state lacks: history[Ld .. Lt] (1 or 2 tokens, `last`
+  included: the round's bonus token, and the last accepted draft token when every draft was
+  accepted). -> (window [B, 2], how many of it are new [B])."""
+  missing = ctx.target_len + 1 - draft_lengths                                    # [B] in {1, 2}
+  cols = draft_lengths[:, None] + jnp.arange(2)[None, :]
+  window = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, 2]
+  return window, missing
+
+
+def pick_greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """logits [B, 1, V] -> (argmax token [B], its probability [B]: the confidence p_min is compared with)."""
+  probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)               # [B, V]
+  return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftModelState:
@@ -81,18 +97,9 @@ class DraftModelDrafter(DeviceDrafter):
 
   def propose(self, dparams, dstate: DraftModelState, ctx: DraftContext) -> tuple[Draft, DraftModelState]:
     b, k = ctx.last.shape[0], self.max_draft
-    cache = dstate.cache
-    # Feed the committed tokens the draft cache lacks: history[Ld .. Lt] (1 or 2 tokens, `last` included).
-    missing = ctx.target_len + 1 - cache.lengths                                   # [B] in {1, 2}
-    cols = cache.lengths[:, None] + jnp.arange(2)[None, :]
-    window = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, 2]
-    logits, _, cache = forward(dparams, self.cfg, window, cache, n_new=missing, last_only=True)
-
-    def pick(logits):
-      probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)          # [B, V]
-      return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
-
-    tok0, conf0 = pick(logits)
+    window, missing = catch_up_window(ctx, dstate.cache.lengths)
+    logits, _, cache = forward(dparams, self.cfg, window, dstate.cache, n_new=missing, last_only=True)
+    tok0, conf0 = pick_greedy(logits)
     active0 = (conf0 >= ctx.p_min) & (ctx.n_max > 0)
     tokens0 = jnp.zeros((b, k), jnp.int32).at[:, 0].set(tok0)
     lengths0 = active0.astype(jnp.int32)
@@ -105,7 +112,7 @@ class DraftModelDrafter(DeviceDrafter):
       i, cache, tokens, active, lengths = c
       prev = jnp.take_along_axis(tokens, (i - 1)[None, None].repeat(b, 0), axis=1)   # [B, 1]
       logits, _, cache = forward(dparams, self.cfg, prev, cache)
-      tok, conf = pick(logits)
+      tok, conf = pick_greedy(logits)
       active = active & (conf >= ctx.p_min) & (i < ctx.n_max)
       tokens = tokens.at[:, i].set(tok)
       return i + 1, cache, tokens, active, lengths + active.astype(jnp.int32)

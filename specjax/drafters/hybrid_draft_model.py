@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
+from specjax.drafters.draft_model import catch_up_window, pick_greedy
 from specjax.models.hybrid import hybrid_forward
 from specjax.models.recurrent_state import HybridState, pick_step
 
@@ -56,23 +57,15 @@ class HybridDraftModelDrafter(DeviceDrafter):
 
   def propose(self, dparams, dstate: HybridDraftState, ctx: DraftContext) -> tuple[Draft, HybridDraftState]:
     b, k = ctx.last.shape[0], self.max_draft
-    state = dstate.state
-    missing = ctx.target_len + 1 - state.lengths                                  # [B] in {1, 2}
-    cols = state.lengths[:, None] + jnp.arange(2)[None, :]
-    window = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, 2]
-    logits, _, state = hybrid_forward(dparams, self.cfg, window, state, n_new=missing, last_only=True)
-
-    def pick(logits):
-      probs = jax.nn.softmax(logits[:, 0].astype(jnp.float32), axis=-1)           # [B, V]
-      return jnp.argmax(probs, axis=-1).astype(jnp.int32), jnp.max(probs, axis=-1)
-
-    tok0, conf0 = pick(logits)
+    window, missing = catch_up_window(ctx, dstate.state.lengths)
+    logits, _, state = hybrid_forward(dparams, self.cfg, window, dstate.state, n_new=missing, last_only=True)
+    tok0, conf0 = pick_greedy(logits)
     active0 = (conf0 >= ctx.p_min) & (ctx.n_max > 0)
 
     def step(carry, i):   # one drafted token per step; the body compiles once (a scan, not unrolled)
       state, prev, active, lengths = carry
       logits, _, state = hybrid_forward(dparams, self.cfg, prev[:, None], state)
-      tok, conf = pick(logits)
+      tok, conf = pick_greedy(logits)
       active = active & (conf >= ctx.p_min) & (i < ctx.n_max)
       return (state, tok, active, lengths + active.astype(jnp.int32)), (tok, state.conv, state.rec)
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import parallel
 from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, target_of
 from specjax.engine.sampling import SamplingParams, sample, shaped_probs, split_keys
 
@@ -41,6 +42,7 @@ def _decode_loop(params, state, sampling, stop_ids, max_new, *, cfg, unroll=1):
   steps run per iteration (the loop condition is read back by the host once per iteration;
   finished sequences emit nothing in the extra steps)."""
   def body(s):
+    s = parallel.constrain_state(s)     # under a mesh: batch on "data", KV heads on "model"
     for _ in range(unroll):
       s = decode_step(params, cfg, s, sampling, stop_ids, max_new)
     return s

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax import parallel
 from specjax.engine.generation import prefill
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.stats import RoundStats
@@ -19,11 +20,14 @@ def prefill_request(spec: RoundSpec, inp: RoundInputs, tokens, prompt_lens, *, c
                     history_len: int) -> Carry:
   """The prompts [B, T] (right-padded, lengths [B]) through the target, the first token sampled,
   and the device drafter's state built from the prompt pass (its tapped hidden states). Plain
-  decoding and host drafters (`spec.drafter` None) carry no drafter state."""
+  decoding and host drafters (`spec.drafter` None) carry no drafter state. Under a mesh the state is
+  split over "data" by sequence and the KV cache over "model" by heads (no-op on one device)."""
   state, tapped = prefill(inp.params, spec.cfg, tokens, prompt_lens, inp.sampling, inp.stop_ids, inp.max_new,
                           capacity, history_len, taps=spec.taps)
   dstate = () if spec.drafter is None else spec.drafter.init(inp.dparams, tokens, prompt_lens, tapped, capacity)
-  return Carry(state=state, dstate=dstate, stats=RoundStats.zeros(tokens.shape[0], spec.stats_width))
+  b = tokens.shape[0]
+  return Carry(state=parallel.constrain_state(state), dstate=parallel.constrain_state(dstate, b, kv_on_model=False),
+               stats=RoundStats.zeros(b, spec.stats_width))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))

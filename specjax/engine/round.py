@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax import parallel
 from specjax.drafters.base import Draft, DraftContext, RoundResult
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
@@ -214,8 +215,10 @@ def _round_result(spec: RoundSpec, v: Verdict) -> RoundResult:
 def run_round(spec: RoundSpec, inp: RoundInputs, carry: Carry, host_draft: Draft | None = None) -> tuple[Carry, Verdict]:
   """One round for every sequence: the device drafter proposes (or `host_draft` is the host's
   draft), the target verifies the chain or the tree, the statistics advance and the drafter
-  commits what was accepted."""
-  state, dstate = carry.state, carry.dstate
+  commits what was accepted. Under a mesh the loop state keeps its layout (`parallel.constrain_state`;
+  no-op on one device)."""
+  b = carry.state.last.shape[0]
+  state, dstate = parallel.constrain_state(carry.state), parallel.constrain_state(carry.dstate, b, kv_on_model=False)
   if spec.plain:
     state, verdict = _plain_step(spec, inp, state)
   else:
