@@ -91,11 +91,13 @@ def run(target, name, prompts, **kw):
 
 
 def greedy(batch: int, meshes: list[str], names: list[str]) -> None:
+  """Each speculator's greedy output on each mesh against the one-device plain greedy output (every
+  registered speculator is lossless on one device: tests/test_registry_laws.py), computed once."""
   target = tiny_target()
   prompts = PROMPTS[:batch]
+  ref = run(target, "plain", prompts)
   for name in names:
     t0 = time.perf_counter()
-    ref = run(target, name, prompts)
     for spec in meshes:
       got = run(api.shard(target, spec), name, prompts)
       print(json.dumps({"kind": "greedy", "mesh": spec, "batch": batch, "name": name, "ok": got == ref,

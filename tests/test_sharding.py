@@ -5,12 +5,13 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8, since the flag must be set b
 and the rest of the suite keeps one device. On a tiny random target (8 heads, 4 KV heads):
 
 - greedy output of plain decoding and of every registered speculator (tiny random heads, a
-  perturbed draft model, host speculators too) on a sharded target is the one-device output, at
+  perturbed draft model, host speculators too) on a sharded target is the one-device greedy output
+  (plain decoding's, computed once: every speculator equals it on one device), at
   batch 1 and 3 (3 rows on data=2 are padded to 4 by `api.generate`, the padding dropped), on meshes
   (data, model) = (1, 2), (2, 2), (2, 4). Compilation dominates (each speculator x batch x mesh is
   a new program: ~10 s of CPU each here), so the default run checks every speculator at batch 3 on
-  (2, 2) and plain decoding plus one device-model, one head-tree and one host speculator on every
-  mesh and batch; SPECJAX_SHARDING_FULL=1 checks the whole product.
+  (2, 2) and plain decoding plus one head-tree and one host speculator on every mesh and batch;
+  SPECJAX_SHARDING_FULL=1 checks the whole product.
 - sampled speculation on a (2, 2) mesh keeps the token law (tests/token_law.py's checker);
 - one MTP head-training step on a (2, 2) mesh (batch on data, frozen target sharded, features
   recomputed in the step) equals the one-device step, and a sharded orbax checkpoint resumes it;
@@ -39,7 +40,7 @@ from specjax.parallel.mesh import parse_mesh
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharding_worker.py"
 MESHES = ["data=1,model=2", "data=2,model=2", "data=2,model=4"]
-SAMPLE = ["plain", "draft", "eagle3_tree", "suffix"]   # a device model, a head tree, a host speculator
+SAMPLE = ["plain", "eagle3_tree", "suffix"]   # a head tree, a host speculator (a draft model: the registry test)
 FULL = os.environ.get("SPECJAX_SHARDING_FULL") == "1"
 
 
@@ -155,7 +156,7 @@ def _free_port() -> int:
 def test_two_processes_give_the_one_process_tokens():
   """Two CPU processes (one device each, gloo collectives) joined by a localhost coordinator run
   the model axis across them; process 0's tokens equal one process's with both devices."""
-  names = "plain,draft,suffix"   # a device drafter and a host drafter
+  names = "plain,suffix"   # the device loop and a host drafter's loop
   env = {"SPECJAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}", "SPECJAX_NUM_PROCESSES": "2",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
   procs = [subprocess.Popen([sys.executable, str(WORKER), "dist", "data=1,model=2", names], cwd=ROOT,
