@@ -377,3 +377,20 @@ def prompt_data(tiny_prompt_dir, monkeypatch):
   sharegpt by name read them (nothing is fetched)."""
   monkeypatch.setenv("SPECJAX_DATA", str(tiny_prompt_dir))
   return tiny_prompt_dir
+
+
+def random_conversations(n: int, words: list[str], seed: int = 0) -> list[tuple[list[dict], bool]]:
+  """(messages, add_generation_prompt): a system prompt half the time, 1-4 user turns, answered
+  but the last, which is answered 30% of the time (then rendered without a generation prompt)."""
+  import random
+  rng = random.Random(seed)
+  out = []
+  for _ in range(n):
+    msgs = [{"role": "system", "content": " ".join(rng.sample(words, 3))}] if rng.random() < 0.5 else []
+    turns = rng.randint(1, 4)
+    for t in range(turns):
+      msgs.append({"role": "user", "content": " ".join(rng.sample(words, rng.randint(1, 4)))})
+      if t < turns - 1 or rng.random() < 0.3:
+        msgs.append({"role": "assistant", "content": " ".join(rng.sample(words, rng.randint(1, 4)))})
+    out.append((msgs, msgs[-1]["role"] == "user"))
+  return out

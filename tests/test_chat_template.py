@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
+
+from conftest import random_conversations
 
 pytest.importorskip("gguf")
 
@@ -39,20 +40,8 @@ def _chatml_reference(messages, add_generation_prompt: bool, default_system: str
   return "".join(parts)
 
 
-def _conversations(n: int, seed: int) -> list[tuple[list[dict], bool]]:
-  """(messages, add_generation_prompt): a system prompt half the time, 1-4 user turns, answered
-  but the last, which is answered 30% of the time (then rendered without a generation prompt)."""
-  rng = random.Random(seed)
-  out = []
-  for _ in range(n):
-    msgs = [{"role": "system", "content": " ".join(rng.sample(WORDS, 3))}] if rng.random() < 0.5 else []
-    turns = rng.randint(1, 4)
-    for t in range(turns):
-      msgs.append({"role": "user", "content": " ".join(rng.sample(WORDS, rng.randint(1, 4)))})
-      if t < turns - 1 or rng.random() < 0.3:
-        msgs.append({"role": "assistant", "content": " ".join(rng.sample(WORDS, rng.randint(1, 4)))})
-    out.append((msgs, msgs[-1]["role"] == "user"))
-  return out
+def _conversations(n: int, seed: int = 0) -> list[tuple[list[dict], bool]]:
+  return random_conversations(n, WORDS, seed)
 
 
 @pytest.fixture(scope="module")

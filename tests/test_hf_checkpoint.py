@@ -15,11 +15,11 @@ size) saved with `save_pretrained`, and a real tokenizer (SmolLM2's, built from 
 
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
 
+from conftest import random_conversations
 from specjax import api
 from specjax.cli import main
 from specjax.io.hf_tokenizer import HFTokenizer
@@ -35,17 +35,7 @@ WORDS = ["hello", "world", "  two spaces", "line\nbreak", "naïve café", "数�
 
 
 def _conversations(n: int, seed: int = 0) -> list[tuple[list[dict], bool]]:
-  rng = random.Random(seed)
-  out = []
-  for _ in range(n):
-    msgs = [{"role": "system", "content": " ".join(rng.sample(WORDS, 3))}] if rng.random() < 0.5 else []
-    turns = rng.randint(1, 4)
-    for t in range(turns):
-      msgs.append({"role": "user", "content": " ".join(rng.sample(WORDS, rng.randint(1, 4)))})
-      if t < turns - 1 or rng.random() < 0.3:
-        msgs.append({"role": "assistant", "content": " ".join(rng.sample(WORDS, rng.randint(1, 4)))})
-    out.append((msgs, msgs[-1]["role"] == "user"))
-  return out
+  return random_conversations(n, WORDS, seed)
 
 
 def _ids(x) -> list[int]:

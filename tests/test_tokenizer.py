@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+
 pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
@@ -87,49 +88,9 @@ QWEN_TOOL_CONVERSATION = [
     {"role": "user", "content": "thanks"},
 ]
 
-# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json). The Gemma-3 270M GGUF stores
-# no template, so the oracle is given this one.
-GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\\n'}}
-{%- endif -%}
-"""
+# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json), the default specjax gives a
+# Gemma vocabulary without a template. The Gemma-3 270M GGUF stores none, so the oracle is given it.
+GEMMA3_CHAT_TEMPLATE = GEMMA
 
 
 # --- loading (once per session) -------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from specjax.drafters.head_file import fused_sizes, params_of, tensors_from
+from specjax.drafters.head_file import fused_sizes, params_of, shard_groups, tensors_from
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 
@@ -100,13 +100,7 @@ def write_safetensors(flat: dict, folder: Path, max_bytes: int = MAX_SHARD_BYTES
   """`model.safetensors`, or HF shards `model-0000k-of-0000n.safetensors` with
   `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}) past max_bytes."""
   from safetensors.numpy import save_file
-  groups, size = [[]], 0
-  for name, arr in flat.items():
-    if groups[-1] and size + arr.nbytes > max_bytes:
-      groups.append([])
-      size = 0
-    groups[-1].append(name)
-    size += arr.nbytes
+  groups = shard_groups(flat, max_bytes)
   n = len(groups)
   names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
   for name, group in zip(names, groups):

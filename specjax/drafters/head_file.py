@@ -154,13 +154,9 @@ def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], tuple[list[
 MAX_FILE_BYTES = 19_000_000
 
 
-def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BYTES) -> list:
-  """Write file tensors `flat` to `wpath` (safetensors), in shards of at most ~max_bytes when they
-  are larger: the first file's metadata "shards" lists the others (comma-separated names in the
-  same folder). Tensors keep their order; one larger than max_bytes gets a shard of its own.
-  -> the files written."""
-  from safetensors.numpy import save_file
-  wpath = Path(wpath)
+def shard_groups(flat: dict, max_bytes: int) -> list[list[str]]:
+  """Tensor names in order, grouped into shards of at most ~max_bytes (a larger tensor gets a
+  shard of its own)."""
   groups, size = [[]], 0
   for name, arr in flat.items():
     if groups[-1] and size + arr.nbytes > max_bytes:
@@ -168,6 +164,17 @@ def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BY
       size = 0
     groups[-1].append(name)
     size += arr.nbytes
+  return groups
+
+
+def save_tensors(flat: dict, wpath, metadata: dict, max_bytes: int = MAX_FILE_BYTES) -> list:
+  """Write file tensors `flat` to `wpath` (safetensors), in shards of at most ~max_bytes when they
+  are larger: the first file's metadata "shards" lists the others (comma-separated names in the
+  same folder). Tensors keep their order; one larger than max_bytes gets a shard of its own.
+  -> the files written."""
+  from safetensors.numpy import save_file
+  wpath = Path(wpath)
+  groups = shard_groups(flat, max_bytes)
   names = [wpath] + [wpath.with_name(f"{wpath.stem}-{i + 1}{wpath.suffix}") for i in range(1, len(groups))]
   for old in wpath.parent.glob(f"{wpath.stem}-*{wpath.suffix}"):   # shards of an earlier, larger save
     if old.stem[len(wpath.stem) + 1:].isdigit() and old not in names:
