@@ -15,7 +15,7 @@ from conftest import perturb
 from specjax.engine import adaptive as adapt
 from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.drafters.ngram import NgramSimple
+from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice
 from specjax.engine.adaptive_replay import ReplayState, replay_segment
 from specjax.engine import speculative_generate

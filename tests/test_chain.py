@@ -12,7 +12,10 @@ import pytest
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DeviceDrafter, HostDrafter
 from specjax.drafters.chain import Chain
-from specjax.drafters.ngram import NgramCache, NgramMapK, NgramMapK4V, NgramMod, NgramSimple
+from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_map import NgramMapK, NgramMapK4V
+from specjax.drafters.ngram_mod import NgramMod
+from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.suffix import SuffixDecoding
 from specjax.engine import speculative_generate
 from specjax.models.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Tests of the n-gram host speculators (specjax/drafters/ngram.py): crafted histories, a
+"""Tests of the n-gram host speculators (specjax/drafters/ngram_*.py): crafted histories, a
 hypothesis property of NgramSimple, greedy losslessness through the engine, request isolation."""
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specjax.engine.decode import generate_plain
-from specjax.drafters.ngram import (EMPTY, NgramCache, NgramMapK, NgramMapK4V, NgramMod, NgramSimple,
-                                    build_static_cache, load_ngram_cache, ngram_mod_hash, ngram_mod_lookup,
-                                    save_ngram_cache, update_ngram_counts)
+from specjax.drafters.ngram_cache import (NgramCache, build_static_cache, load_ngram_cache, save_ngram_cache,
+                                          update_ngram_counts)
+from specjax.drafters.ngram_index import EMPTY
+from specjax.drafters.ngram_map import NgramMapK, NgramMapK4V
+from specjax.drafters.ngram_mod import NgramMod, ngram_mod_hash, ngram_mod_lookup
+from specjax.drafters.ngram_simple import NgramSimple
 from specjax.engine import speculative_generate
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import init_params

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
-from specjax.drafters.ngram import NgramSimple
+from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice, ngram_lookup
 from specjax.engine import speculative_generate
 from specjax.models.config import ModelConfig

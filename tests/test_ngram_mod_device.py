@@ -5,7 +5,7 @@ import numpy as np
 
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
-from specjax.drafters.ngram import NgramMod
+from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_mod_device import NgramModDevice
 from specjax.engine import speculative_generate
 from specjax.models.config import ModelConfig

@@ -1,7 +1,7 @@
 """`ngram_mod` on the device: llama.cpp's hashed n-gram -> next-token table as a fixed-size int32
 array updated functionally inside the engine's jitted loop.
 
-Same drafts and reset rules as the host `NgramMod` (see ngram.py; tested against it): one table
+Same drafts and reset rules as the host `NgramMod` (see ngram_mod.py; tested against it): one table
 shared by all sequences; a sequence's new n-grams are added once more than `add_chunk` tokens are
 pending; drafting is a rolling lookup (look up, append, shift) until an empty entry or the budget;
 a draft shorter than `n_min` is not offered; the table is reset when more than a quarter of it was
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
-from specjax.drafters.ngram import EMPTY, ngram_mod_hash
+from specjax.drafters.ngram_index import EMPTY
+from specjax.drafters.ngram_mod import ngram_mod_hash
 
 
 @jax.tree_util.register_dataclass

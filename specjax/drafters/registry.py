@@ -50,7 +50,7 @@ def _host_builder(module: str, cls: str):
 
 def _ngram_simple(target, *, draft_model=None, draft_params=None, head=None, device=True, **opts):
   if not device:
-    from specjax.drafters.ngram import NgramSimple
+    from specjax.drafters.ngram_simple import NgramSimple
     return NgramSimple(**opts)
   from specjax.drafters.ngram_device import NgramSimpleDevice
   return NgramSimpleDevice(**opts, width=_width(draft_params))
@@ -58,7 +58,7 @@ def _ngram_simple(target, *, draft_model=None, draft_params=None, head=None, dev
 
 def _ngram_mod(target, *, draft_model=None, draft_params=None, head=None, device=True, **opts):
   if not device:
-    from specjax.drafters.ngram import NgramMod
+    from specjax.drafters.ngram_mod import NgramMod
     return NgramMod(**opts)
   from specjax.drafters.ngram_mod_device import NgramModDevice
   return NgramModDevice(**opts, width=_width(draft_params))
@@ -152,10 +152,10 @@ _DFLASH = (_int("block_size", None, "block drafted per pass (default: as trained
 for _spec in (
     SpeculatorSpec("ngram_simple", _ngram_simple, "copy what followed the last n-gram's previous occurrence",
                    where="device", chainable=True, options=_SIZE_NM + (_DEVICE,), example=_example_small_ngram),
-    SpeculatorSpec("ngram_map_k", _host_builder("specjax.drafters.ngram", "NgramMapK"),
+    SpeculatorSpec("ngram_map_k", _host_builder("specjax.drafters.ngram_map", "NgramMapK"),
                    "n-gram -> continuation map with llama.cpp's key statistics", options=_SIZE_NM,
                    example=_example_small_ngram),
-    SpeculatorSpec("ngram_map_k4v", _host_builder("specjax.drafters.ngram", "NgramMapK4V"),
+    SpeculatorSpec("ngram_map_k4v", _host_builder("specjax.drafters.ngram_map", "NgramMapK4V"),
                    "n-gram map keeping four values per key",
                    options=_SIZE_NM + (_int("min_hits", 1, "hits before a value is drafted"),),
                    example=_example_small_ngram),
@@ -169,7 +169,7 @@ for _spec in (
                        Option("low_accept", float, 0.5, "acceptance below which a sequence backs off", 0, 1),
                        _int("low_rounds", 3, "low-acceptance rounds before backing off"),
                        Option("reset_occupancy", float, 0.25, "table occupancy that resets it", 0, 1), _DEVICE)),
-    SpeculatorSpec("ngram_cache", _host_builder("specjax.drafters.ngram", "NgramCache"),
+    SpeculatorSpec("ngram_cache", _host_builder("specjax.drafters.ngram_cache", "NgramCache"),
                    "lookup decoding over context, dynamic and static n-gram caches", options=(
                        _int("n_draft", 8, "longest draft"),
                        Option("static", str, None, "static cache file (llama.cpp format)", optional=True),

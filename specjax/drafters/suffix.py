@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specjax.drafters.base import HostDrafter
-from specjax.drafters.ngram import gc_paused
+from specjax.drafters.ngram_index import gc_paused
 
 _DIRTY = object()      # `best` sentinel: recompute from the children
 
