@@ -1,7 +1,9 @@
 """The server: continuous batching is lossless per request (streamed greedy tokens through the
 official `openai` client equal offline greedy generation of each prompt alone), per-request
-speculative fields change only that request's drafting, and a bounded load test (valid,
-cancelled and malformed requests) leaves the server healthy with every valid request answered."""
+speculative fields change only that request's drafting, a bounded load test (valid, cancelled and
+malformed requests) leaves the server healthy with every valid request answered, a full queue
+answers 429 over HTTP, and adaptive drafting over the live batch stays lossless and drops a
+drafter that never lands."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from specjax.models.load import LoadedModel
 from specjax.serve.app import run_in_thread
 from specjax.serve.cli import build_server
 from specjax.serve.scheduler import GenRequest, QueueFull, Scheduler
+
+TINY_PARAMS = random_params(TINY_LLAMA, seed=0)
 
 PROMPTS = ["List the days of the week, then list them again.", "Count from one to twelve in words."]
 MAX_NEW = 24
@@ -85,7 +89,7 @@ def test_speculative_fields_change_only_their_request(real_server, offline):
 
 @pytest.fixture(scope="module")
 def tiny_server():
-  target = LoadedModel("tiny", TINY_LLAMA, random_params(TINY_LLAMA, seed=0))
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
   server = build_server(target, "ngram_simple", slots=8, capacity=128, n_max=4, max_queue=512,
                         options={"size_n": 2})
   http, url = run_in_thread(server.app())
@@ -167,3 +171,105 @@ def test_bench_serve_summary_and_plot(tmp_path):
           [("plain", 1, 10), ("plain", 8, 50), ("ngram_simple", 1, 15), ("ngram_simple", 8, 60)]]
   plot(rows, tmp_path / "b.png")
   assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+async def _completions(url: str, bodies: list[dict]) -> list[httpx.Response]:
+  """The bodies posted to /v1/completions at once."""
+  async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+
+def test_full_queue_answers_429_over_http():
+  """One slot and room for two waiting requests: of 16 sent at once, those past the queue get 429
+  with an OpenAI-style error body, every other one is answered in full, and the server stays
+  healthy (and counts the refusals)."""
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
+  server = build_server(target, None, slots=1, capacity=128, max_queue=2)
+  http, url = run_in_thread(server.app())
+  try:
+    bodies = [{"prompt": [1 + i % 13, 2, 3], "max_tokens": 40} for i in range(16)]
+    answers = asyncio.run(_completions(url, bodies))
+    codes = [r.status_code for r in answers]
+    assert set(codes) == {200, 429} and codes.count(429) >= 10, codes
+    for r in answers:
+      if r.status_code == 429:
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == 429 and "limit 2" in err["message"]
+      else:
+        assert r.json()["usage"]["completion_tokens"] == 40
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["waiting"] == 0 and health["running"] == 0
+    assert f'specjax_rejected_requests_total{{code="429"}} {codes.count(429)}.0' in httpx.get(f"{url}/metrics").text
+  finally:
+    http.should_exit = True
+
+
+ADAPTIVE_PROMPTS = [[1 + i % 13, 2, 3 + i % 5, 7, (3 * i) % 16] for i in range(6)]
+ADAPTIVE_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def offline_tiny():
+  """Offline plain greedy generation of each ADAPTIVE_PROMPTS prompt alone."""
+  from specjax.engine.decode import generate_plain
+  return [generate_plain(TINY_PARAMS, TINY_LLAMA, [p], max_new_tokens=ADAPTIVE_NEW).tokens[0]
+          for p in ADAPTIVE_PROMPTS]
+
+
+def _all_at_once(url: str, speculative: list[dict | None]) -> list[dict]:
+  """ADAPTIVE_PROMPTS sent together, greedy, each with its `speculative` field -> response bodies."""
+  bodies = [{"prompt": p, "max_tokens": ADAPTIVE_NEW, "temperature": 0.0, **({"speculative": s} if s else {})}
+            for p, s in zip(ADAPTIVE_PROMPTS, speculative)]
+  answers = asyncio.run(_completions(url, bodies))
+  assert all(r.status_code == 200 for r in answers)
+  return [r.json() for r in answers]
+
+
+def test_adaptive_lossless_and_fields_stay_per_request(offline_tiny):
+  """Adaptive drafting (device ngram_simple, replayed acceptance) over 4 slots and 6 requests, one
+  with speculation off and one limited to one draft token: every request equals offline greedy
+  generation of its prompt alone, whatever widths the batch ran; the off request never drafts and
+  the limited one drafts at most one token a round, while the others do speculate. Costs are fixed
+  in the config, so the widths follow acceptance only, not this machine's timing."""
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
+  server = build_server(target, "ngram_simple", slots=4, capacity=128, n_max=4, options={"size_n": 2},
+                        adaptive={"costs": [1.0, 1.2, 1.4, 1.8]})
+  http, url = run_in_thread(server.app())
+  try:
+    fields = [None, None, {"enabled": False}, {"n_max": 1}, None, None]
+    out = _all_at_once(url, fields)
+  finally:
+    http.should_exit = True
+  for body, want in zip(out, offline_tiny):
+    assert body["choices"][0]["token_ids"] == want
+  usage = [b["usage"]["speculative"] for b in out]
+  assert usage[2]["draft_tokens"] == 0 and usage[2]["rounds"] == ADAPTIVE_NEW - 1
+  assert usage[3]["draft_tokens"] <= usage[3]["rounds"]
+  assert sum(u["draft_tokens"] for i, u in enumerate(usage) if i not in (2, 3)) > 0
+  widths = server.scheduler.engine.control.rounds_by_width
+  assert widths[0] > 0 and sum(n for w, n in widths.items() if w > 0) > 0     # both plain steps and rounds
+
+
+def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
+  """A randomly initialised MTP head (its drafts are almost never the target's tokens), widths 0
+  and 2 with costs timed by the warm-up: after the first rounds of each request the batch runs at
+  width 0, and the output is still offline greedy."""
+  from specjax.drafters.mtp import init_heads
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
+  server = build_server(target, "mtp", head=init_heads(TINY_LLAMA, 2, seed=1), slots=4, capacity=128, n_max=2,
+                        adaptive={"widths": [0, 2]})
+  engine = server.scheduler.engine
+  engine.warm()
+  assert engine.control.costs.shape == (2,) and (engine.control.costs > 0).all()
+  http, url = run_in_thread(server.app())
+  try:
+    out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))
+  finally:
+    http.should_exit = True
+  for body, want in zip(out, offline_tiny):
+    assert body["choices"][0]["token_ids"] == want
+  widths = engine.control.rounds_by_width
+  assert widths[0] >= 0.75 * sum(widths.values()), widths
+  for body in out:
+    u = body["usage"]["speculative"]
+    assert u["draft_tokens"] <= 2 * 8 and u["accepted_tokens"] <= u["draft_tokens"] // 2, u

@@ -9,11 +9,27 @@ import json
 from specjax.errors import UserError
 
 
+def adaptive_config(adaptive):
+  """`adaptive` as build_server takes it (False / None: off, True: the defaults, a dict of
+  `AdaptiveConfig` fields, or an `AdaptiveConfig`) -> an AdaptiveConfig or None."""
+  from specjax.engine.adaptive import AdaptiveConfig
+  if not adaptive:
+    return None
+  if adaptive is True:
+    return AdaptiveConfig()
+  if isinstance(adaptive, dict):
+    return AdaptiveConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in adaptive.items()})
+  return adaptive
+
+
 def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 2048, max_queue: int = 64,
                  chunk: int = 256, n_max: int = 8, draft_model=None, head=None, options: dict | None = None,
-                 rollback: str = "per_step"):
+                 rollback: str = "per_step", policy: str = "best", adaptive=False):
   """A `Server` for `target` (a LoadedModel) with one speculator (None: plain decoding). `n_max`
-  is the widest draft any request may ask for (requests pick theirs up to it)."""
+  is the widest draft any request may ask for (requests pick theirs up to it). `adaptive` (True,
+  a dict of `AdaptiveConfig` fields or an AdaptiveConfig) chooses before every round whether to
+  speculate and how wide, from the live slots' acceptance and the rounds' measured cost
+  (`specjax.serve.adaptive_slots`); chain drafters only."""
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
   from specjax.serve.app import Server
@@ -24,16 +40,22 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
     raise UserError(f"--slots must be >= 1, --capacity >= 128 and --max-queue >= 1, got {slots}, {capacity}, {max_queue}")
   if getattr(target, "context_length", None) and capacity > target.context_length:
     raise UserError(f"--capacity {capacity} exceeds the model's context of {target.context_length} tokens")
+  ac = adaptive_config(adaptive)
+  if ac is not None and speculator is None:
+    raise UserError("--adaptive chooses when to speculate: give a speculator (--spec)")
   make = None
   drafter = None
   if speculator is not None:
     dp = DraftParams(n_max=n_max)
     make = lambda: make_speculator(speculator, target, draft_model=draft_model, draft_params=dp, head=head,
-                                   options=options)
+                                   options=options, policy=policy)
     drafter = make()
+    if ac is not None and drafter.proposes_tree:
+      raise UserError(f"--adaptive picks chain draft lengths; the tree speculator {drafter.name} sets its own node "
+                      f"budget (use a chain speculator, or leave --adaptive off)")
   stop_ids = tuple(target.tokenizer.eos_ids) if target.tokenizer is not None else ()
   engine = SlotEngine(target, drafter, slots=slots, capacity=capacity, chunk=chunk, stop_ids=stop_ids,
-                      rollback=rollback, host_drafter_factory=make)
+                      rollback=rollback, host_drafter_factory=make, adaptive=ac)
   metrics = ServeMetrics(engine.max_draft)
   scheduler = Scheduler(engine, max_queue=max_queue, metrics=metrics, stop_ids=stop_ids)
   return Server(scheduler, target.tokenizer, vocab=target.cfg.vocab_size, capacity=capacity,
@@ -51,6 +73,9 @@ def _server_args(p) -> None:
   p.add_argument("--capacity", type=int, default=2048, help="KV cache tokens per slot: prompt + output (default 2048)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
   p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens (default 256)")
+  p.add_argument("--adaptive", action="store_true",
+                 help="before every round choose whether to speculate and how wide, from the live slots' acceptance "
+                      "and the rounds' measured cost (chain speculators)")
 
 
 def _load(args):
@@ -64,7 +89,7 @@ def _load(args):
 def _server_from_args(args, target, options, spec):
   return build_server(target, spec, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                       chunk=args.chunk, n_max=args.n_max, draft_model=args.draft_model, head=args.head,
-                      options=options)
+                      options=options, adaptive=args.adaptive)
 
 
 def cmd_serve(args) -> int:

@@ -9,12 +9,18 @@ Slots: one `GenState` of batch B (KV cache of capacity C per slot, history of C 
 or finished slot has `done` set, so the round masks it (it drafts nothing, commits nothing and
 emits nothing). A request joins by a batch-1 prefill (in chunks, so the running batch keeps
 stepping between them) whose state is scattered into the free slot by one jitted update.
+
+With adaptive drafting (`adaptive_slots.SlotWidthController`) every round runs at the width the
+controller plans: one compiled round per width of `AdaptiveConfig.widths_for(K)`, width 0 being
+the plain decoding step for plain-compatible drafters (`commit_free` device drafters, host
+drafters) and a round that verifies no draft, but keeps the drafter's state current, for the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, round_up, target_of
 from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
 from specjax.engine.stats import RoundStats
+from specjax.serve.adaptive_slots import SlotWidthController
 
 CHUNK_BUCKET = 64      # prefill chunks are padded to a multiple of this (few compiled widths)
 
@@ -38,6 +45,7 @@ class RoundOut:
   done: np.ndarray       # [B] bool slot finished (stop token or budget)
   drafted: np.ndarray    # [B] draft tokens verified (0: speculation off or nothing drafted)
   accepted: np.ndarray   # [B] draft tokens accepted
+  width: int = 0         # the round's verification width (0: a plain decoding step or a round without drafts)
 
 
 @dataclasses.dataclass
@@ -132,7 +140,9 @@ class SlotEngine:
   `begin_join` / `prefill_step` (chunked prefill), `insert`, `finish` and `step` (one round)."""
 
   def __init__(self, target, drafter=None, *, slots: int, capacity: int, chunk: int = 256,
-               stop_ids=(), rollback: str = "per_step", host_drafter_factory=None):
+               stop_ids=(), rollback: str = "per_step", host_drafter_factory=None, adaptive=None):
+    """`adaptive`: an `AdaptiveConfig` (adaptive drafting over the live batch) or None (every
+    round at the drafter's width)."""
     self.params, self.cfg = target.params, target.cfg
     self.drafter = None if drafter is None else check_drafter(drafter)
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
@@ -141,6 +151,11 @@ class SlotEngine:
     self.host_factory = host_drafter_factory
     self.host = [None] * slots          # per-slot host drafter instances (batch 1 each)
     self.dparams = drafter.params() if drafter is not None and drafter.on_device else ()
+    self.control = None
+    if adaptive is not None and drafter is not None:
+      if drafter.proposes_tree:
+        raise ValueError("adaptive drafting picks chain lengths; a tree drafter sets its own node budget")
+      self.control = SlotWidthController(adaptive, slots, drafter)
     self._init_batch()
 
   @property
@@ -173,6 +188,7 @@ class SlotEngine:
     self.dp = {"n_max": np.zeros((b,), np.int32), "n_min": np.zeros((b,), np.int32),
                "p_min": np.zeros((b,), np.float32)}
     self.max_new = np.ones((b,), np.int32)
+    self.live = np.zeros((b,), bool)   # host copy of ~done for the slots (adaptive drafting reads it)
     self._dev = None      # device copies of the per-slot parameters (rebuilt when they change)
 
   def begin_join(self, prompt: list[int], *, temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16) -> Joining:
@@ -218,12 +234,16 @@ class SlotEngine:
     if self.drafter is not None and not self.drafter.on_device:
       self.host[slot] = self.host_factory()
       self.host[slot].begin([j.prompt.tolist()])
-    first, done = jax.device_get((state1.last[0], state1.done[0]))
+    first, done, hist_len = jax.device_get((state1.last[0], state1.done[0], state1.hist_len[0]))
+    self.live[slot] = not done
+    if self.control is not None:
+      self.control.join(slot, int(hist_len))
     return int(first), bool(done)
 
   def warm(self) -> None:
     """Compile the prefill programs (every last-chunk width up to the chunk, and a full chunk) now,
-    so a server's first requests do not pay for them; the slot batch is untouched."""
+    so a server's first requests do not pay for them, and with adaptive drafting the round of every
+    width (timed: the controller's first costs); the slot batch is untouched."""
     widths = range(CHUNK_BUCKET, self.chunk + 1, CHUNK_BUCKET) if self.chunked else [CHUNK_BUCKET]
     lengths = list(widths) + ([self.chunk + 1] if self.chunked and self.chunk + 1 < self.capacity // 2 else [])
     for n in lengths:
@@ -231,12 +251,15 @@ class SlotEngine:
       while (out := self.prefill_step(j)) is None:
         pass
       jax.block_until_ready(out)
+    if self.control is not None:
+      self.control.set_costs(self.round_costs())
 
   def finish(self, slots: list[int]) -> None:
     """Free slots (finished, cancelled or disconnected): masked from the next round on."""
     mask = np.zeros((self.b,), bool)
     mask[slots] = True
     self.state = _finish(self.state, jnp.asarray(mask))
+    self.live[slots] = False
     for s in slots:
       self.host[s] = None
 
@@ -248,40 +271,110 @@ class SlotEngine:
     return self._dev
 
   def step(self) -> RoundOut:
-    """One round over every slot (done slots masked)."""
-    sampling, dp, max_new = self._device_params()
-    zeros = np.zeros((self.b,), np.int32)
-    if self.drafter is None:
-      before = np.asarray(self.state.hist_len)
-      self.state, hist, n_new = _plain_step(self.params, self.state, sampling, self.stop, max_new, cfg=self.cfg)
-      n_new, done = np.asarray(n_new), np.asarray(self.state.done)
-      hist = np.asarray(hist)
-      toks = hist[np.arange(self.b), np.minimum(before, hist.shape[1] - 1)][:, None]
-      return RoundOut(toks, n_new, done, zeros, zeros)
-    if self.drafter.on_device:
-      spec = RoundSpec(cfg=self.cfg, drafter=self.drafter, rollback=self.rollback)
-      self.state, self.dstate, new, n_new, drafted, accepted = _round_step(
-          spec, self.params, self.dparams, self.state, self.dstate, sampling, dp, self.stop, max_new)
-      new, n_new, drafted, accepted, done = jax.device_get((new, n_new, drafted, accepted, self.state.done))
-      return RoundOut(new, n_new, done, drafted, accepted)
-    return self._host_step(sampling, dp, max_new)
+    """One round over every slot (done slots masked): at the drafter's width, or at the width and
+    draft lengths the adaptive controller plans from the live slots."""
+    if self.control is None:
+      out = self._round(None if self.drafter is None else self.max_draft, self.dp["n_max"])
+    else:
+      if self.control.costs is None:           # not warmed: time every width now (compiles them)
+        self.control.set_costs(self.round_costs())
+      live = self.live.copy()
+      plan = self.control.plan(self.dp["n_max"], self.dp["n_min"], live)
+      t0 = time.perf_counter()
+      out = self._round(plan.width, plan.lengths)
+      self.control.observe(plan, out.width, out.drafted, out.accepted, live, (time.perf_counter() - t0) * 1e3,
+                           self.state.history, self.state.hist_len)
+    self.live &= ~out.done
+    return out
 
-  def _host_step(self, sampling, dp, max_new) -> RoundOut:
-    """A round of per-slot host drafters: each drafts for its own slot, one jitted verification."""
+  def _round(self, width: int | None, lengths: np.ndarray) -> RoundOut:
+    """One round at `width` with per-slot draft limits `lengths` [B] (the requests' own n_max
+    without adaptive drafting, whose device arrays are cached)."""
+    sampling, dp, max_new = self._device_params()
+    if self.drafter is None or (width == 0 and not self.drafter.on_device):
+      return self._plain(sampling, max_new)
+    if not self.drafter.on_device:
+      return self._host_step(sampling, dp, max_new, lengths)
+    if self.control is not None:
+      dp = {**dp, "n_max": jnp.asarray(lengths, jnp.int32)}
+    self.state, self.dstate, new, n_new, drafted, accepted = _round_step(
+        self._spec(width), self.params, self.dparams, self.state, self.dstate, sampling, dp, self.stop, max_new)
+    new, n_new, drafted, accepted, done = jax.device_get((new, n_new, drafted, accepted, self.state.done))
+    return RoundOut(new, n_new, done, drafted, accepted, width=width)
+
+  def _spec(self, width: int) -> RoundSpec:
+    """The device drafter's round at `width` (its full width: the spec of the fixed loop)."""
+    return RoundSpec(cfg=self.cfg, drafter=self.drafter, rollback=self.rollback,
+                     width=None if width >= self.max_draft else width)
+
+  def _plain(self, sampling, max_new) -> RoundOut:
+    """One plain decoding step over every slot."""
+    before = np.asarray(self.state.hist_len)
+    self.state, hist, n_new = _plain_step(self.params, self.state, sampling, self.stop, max_new, cfg=self.cfg)
+    n_new, done, hist = jax.device_get((n_new, self.state.done, hist))
+    toks = hist[np.arange(self.b), np.minimum(before, hist.shape[1] - 1)][:, None]
+    zeros = np.zeros((self.b,), np.int32)
+    return RoundOut(toks, n_new, done, zeros, zeros, width=0)
+
+  def _host_step(self, sampling, dp, max_new, lengths) -> RoundOut:
+    """A round of per-slot host drafters: each drafts up to `lengths` [B] for its own slot, one
+    jitted verification as wide as the longest draft (a plain step when no slot drafted)."""
     k = self.max_draft
     toks, lens = np.zeros((self.b, k), np.int32), np.zeros((self.b,), np.int32)
-    hist, hl = jax.device_get((self.state.history, self.state.hist_len))
+    if np.any(lengths > 0):
+      hist, hl = jax.device_get((self.state.history, self.state.hist_len))
     for i, d in enumerate(self.host):
-      if d is not None and self.dp["n_max"][i] > 0:
-        t, n, _ = d.propose([hist[i, :hl[i]].tolist()], np.asarray([self.dp["n_max"][i]]))
-        n = min(int(np.asarray(n)[0]), int(self.dp["n_max"][i]))
+      if d is not None and lengths[i] > 0:
+        t, n, _ = d.propose([hist[i, :hl[i]].tolist()], np.asarray([lengths[i]]))
+        n = min(int(np.asarray(n)[0]), int(lengths[i]))
         toks[i, :n], lens[i] = np.asarray(t).reshape(-1)[:n], n
-    width = min(k, 1 << int(max(int(lens.max()), 1) - 1).bit_length())
-    self.state, _, new, n_new, dlen, n_acc = _round_step(
-        RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (), sampling, dp, self.stop,
-        max_new, jnp.asarray(toks[:, :width]), jnp.asarray(lens))
-    n_acc, dlen, new, n_new, done = jax.device_get((n_acc, dlen, new, n_new, self.state.done))
+    if not lens.any():
+      out = self._plain(sampling, max_new)
+      zeros = np.zeros((self.b,), np.int32)
+    else:
+      width = min(k, 1 << int(max(int(lens.max()), 1) - 1).bit_length())
+      self.state, _, new, n_new, dlen, n_acc = _round_step(
+          RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (), sampling, dp, self.stop,
+          max_new, jnp.asarray(toks[:, :width]), jnp.asarray(lens))
+      n_acc, dlen, new, n_new, done = jax.device_get((n_acc, dlen, new, n_new, self.state.done))
+      out = RoundOut(np.asarray(new), n_new, done, dlen, n_acc, width=width)
     for i, d in enumerate(self.host):
       if d is not None:
-        d.accept(n_acc[i:i + 1], verified=dlen[i:i + 1] > 0)
-    return RoundOut(np.asarray(new), n_new, done, dlen, n_acc)
+        d.accept(out.accepted[i:i + 1], verified=out.drafted[i:i + 1] > 0)
+    return out
+
+  def round_costs(self, repeats: int = 3) -> np.ndarray:
+    """[W] median ms of a round at each of the adaptive controller's widths, run on a copy of the
+    slot batch (every slot drafting its n_max, up to the width; host drafters with empty drafts)
+    after one untimed round that compiles it. The controller's first estimate: what the server's
+    rounds then take replaces it."""
+    saved = self.state, self.dstate
+    ms = []
+    try:
+      for w in self.control.widths:
+        self.state, self.dstate = jax.tree_util.tree_map(jnp.copy, saved)
+        times = []
+        for i in range(repeats + 1):
+          jax.block_until_ready((self.state, self.dstate))
+          t0 = time.perf_counter()
+          self._timed_round(w)
+          times.append((time.perf_counter() - t0) * 1e3)
+        ms.append(float(np.median(times[1:])))
+    finally:
+      self.state, self.dstate = saved
+    return np.asarray(ms, np.float32)
+
+  def _timed_round(self, width: int) -> None:
+    """A round at `width` without host drafting (host drafters' programs are the verification of
+    an empty draft of that width), waited for."""
+    if self.drafter.on_device:
+      self._round(width, np.minimum(self.dp["n_max"], width))
+      return
+    sampling, dp, max_new = self._device_params()
+    if width == 0:
+      self._plain(sampling, max_new)
+      return
+    self.state, *rest = _round_step(RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (),
+                                    sampling, dp, self.stop, max_new, jnp.zeros((self.b, width), jnp.int32),
+                                    jnp.zeros((self.b,), jnp.int32))
+    jax.block_until_ready(rest)

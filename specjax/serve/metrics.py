@@ -2,7 +2,7 @@
 
 Updated by the model thread (rounds, first tokens, finished requests) and read by `/metrics`:
 tokens/s over a sliding window, tau (tokens emitted per slot-round), acceptance by draft
-position, queue length and running slots.
+position, rounds by verification width (adaptive drafting's choices), queue length and running slots.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class ServeMetrics:
     self.content_type = CONTENT_TYPE_LATEST
     self.tokens = Counter("specjax_generated_tokens", "tokens emitted to requests", registry=r)
     self.rounds = Counter("specjax_rounds", "rounds run over the slot batch", registry=r)
+    self.widths = Counter("specjax_rounds_at_width", "rounds by verification width (0: plain decoding step)",
+                          ["width"], registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -46,11 +48,12 @@ class ServeMetrics:
     self._emitted = self._slot_rounds = 0
     self._lock = threading.Lock()
 
-  def round(self, emitted: int, seconds: float) -> None:
-    """One round over the batch emitted `emitted` tokens in all."""
+  def round(self, emitted: int, seconds: float, width: int = 0) -> None:
+    """One round over the batch, at verification width `width`, emitted `emitted` tokens in all."""
     now = time.perf_counter()
     with self._lock:
       self.rounds.inc()
+      self.widths.labels(width=str(width)).inc()
       self._window.append((now, emitted))
       while self._window and self._window[0][0] < now - WINDOW_S:
         self._window.popleft()

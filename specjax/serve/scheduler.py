@@ -247,7 +247,7 @@ class Scheduler:
       if out.done[i]:
         self._leave(h, "stop" if toks and toks[-1] in self.stop_ids else "length")
     if self.metrics is not None:
-      self.metrics.round(emitted, seconds)
+      self.metrics.round(emitted, seconds, out.width)
 
   def _deliver(self, h: Handle, tokens: list[int]) -> None:
     h.n_out += len(tokens)

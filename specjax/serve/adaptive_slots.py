@@ -1,0 +1,164 @@
+"""Adaptive drafting over the live slot batch: before every round, the verification width (0: a
+plain decode step) and each slot's draft length, chosen from the slots' running acceptance and the
+measured cost of a round at each width, so that speculation is dropped where it costs throughput.
+
+The estimates are the offline loops' (`specjax.engine.adaptive`); the rule is throughput, expected
+tokens per millisecond over the live slots, since finished slots are refilled (there is no static
+batch whose slowest sequence sets the time):
+
+    w = argmax_w  sum_i live_i tau_i(w) / cost(w)
+
+- replayable device drafters (device `ngram_simple`): tau_i(w) is replayed from the stream each
+  slot produced, whatever width produced it, plain steps included (`adaptive_replay`,
+  `tau_replayed`; refreshed every `segment_rounds` rounds), so nothing needs exploring; before
+  anything is replayed every width predicts one token per round, and the cheapest width runs;
+- other drafters: the host loop's rule (`choose_width_np`): tau_i(w) = 1 + p_1 + .. + p_min(w, n_i*),
+  p_j the batch's acceptance by draft position (`PositionRates`, read optimistically while a
+  position is rarely seen) and n_i* the longest draft slot i still reaches with probability
+  alpha_i^n >= `reach_min` (`longest_useful` of its censored-geometric `AdaptiveState`). Every
+  `explore_every` x `segment_rounds` rounds, `explore_rounds` rounds let every speculating slot draft
+  its whole n_max, which refreshes the positions narrow widths never reach and slots whose
+  acceptance had fallen to nothing.
+
+A slot's estimates restart when a request joins it (the prior; for replay, the batch's pooled
+figure), so a drafter that never lands costs a new request a few rounds. A request that turned
+speculation off counts one token per round at every width. cost(w) is the wall time of this
+server's own rounds at width w: the warm-up's timing first, then a running average (weight of the
+past `decay`) of the rounds that ran at w, host overhead and drafting included.
+
+Device drafters draft up to the round's width at no extra cost, so every speculating slot drafts
+min(n_max, width), and the round runs at the narrowest width that holds what the rule asked for;
+host drafters pay per drafted token, so each slot drafts min(width, n_i*).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.engine import adaptive as adapt
+from specjax.engine.adaptive_replay import ReplayState, replay_segment
+
+
+@dataclasses.dataclass
+class RoundPlan:
+  """What the next round runs."""
+  width: int               # verification width (0: no slot drafts; a plain decode step where possible)
+  lengths: np.ndarray      # [B] int32 draft tokens each slot may propose (<= width)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "widths", "window", "decay", "prior_rounds"))
+def _replay(rs: ReplayState, joined, join_len, history, hist_len, *, drafter, widths, window, decay, prior_rounds):
+  """Slots that took a request since the last call restart at their length then (joined [B] bool,
+  join_len [B]); the replay extends over what every slot produced since.
+  -> (replay state, tau [W, B] expected tokens per round at each width)."""
+  restart = joined[None, :]
+  rs = ReplayState(start=jnp.where(restart, join_len[None, :], rs.start),
+                   known=jnp.where(restart, join_len[None, :], rs.known),
+                   tokens=jnp.where(restart, 0.0, rs.tokens), rounds=jnp.where(restart, 0.0, rs.rounds))
+  rs = replay_segment(rs, drafter.propose_at, history, hist_len, widths, drafter.max_draft, window, decay)
+  return rs, adapt.tau_replayed(rs.tokens, rs.rounds, prior_rounds)
+
+
+class SlotWidthController:
+  """Per-round width and draft lengths for B slots of one chain drafter: `plan` before a round,
+  `observe` after it, `join` when a request takes a slot."""
+
+  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter):
+    self.ac, self.drafter, self.k = ac, drafter, drafter.max_draft
+    self.device_drafter = drafter.on_device
+    self.replayed = drafter.on_device and drafter.replayable
+    self.widths = ac.widths_for(self.k)                                     # ascending, 0 first
+    self.fixed_costs = ac.costs is not None
+    self.costs = None if ac.costs is None else np.asarray(ac.costs, np.float64)   # [W] ms per round
+    if self.fixed_costs and len(self.costs) != len(self.widths):
+      raise ValueError(f"adaptive costs has {len(self.costs)} entries for widths {self.widths}")
+    self.acceptance = adapt.AdaptiveState.init(slots, ac, np)
+    self.rates = adapt.PositionRates(self.k, ac)
+    self.round = 0
+    self.rounds_by_width = {w: 0 for w in self.widths}
+    self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
+    self._replay_state = None
+    self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
+
+  def set_costs(self, costs_ms) -> None:
+    """The warm-up's timed cost of a round at every width (kept when the config fixes costs)."""
+    if not self.fixed_costs:
+      self.costs = np.maximum(np.asarray(costs_ms, np.float64), 1e-3)
+
+  def join(self, slot: int, hist_len: int) -> None:
+    """A new request in `slot` (its history `hist_len` tokens long): its estimates restart."""
+    prior = adapt.AdaptiveState.init(1, self.ac, np)
+    self.acceptance.accepted[slot], self.acceptance.trials[slot] = prior.accepted[0], prior.trials[0]
+    self._joined[slot], self._join_len[slot] = True, hist_len
+    self.tau[:, slot] = np.mean(self.tau, axis=1) if self.replayed else 1.0
+
+  def plan(self, n_max: np.ndarray, n_min: np.ndarray, live: np.ndarray) -> RoundPlan:
+    """n_max [B] each slot's request limit (0: speculation off), n_min [B], live [B] bool."""
+    n_max = np.where(live, n_max, 0)
+    if self.replayed:
+      width = self.widths[self._best_replayed(n_max, live)]
+      asked = np.minimum(n_max, width)
+    elif self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
+      asked = n_max                                       # exploring: every speculating slot drafts all it may
+    else:
+      caps = adapt.longest_useful(self.acceptance.alpha, n_max, self.ac.reach_min)       # [B]
+      wi = adapt.choose_width_np(self.rates.optimistic(self.ac.optimism), caps, live, self.widths, self.costs)
+      asked = np.minimum(self.widths[wi], caps)
+    width = self._holding(int(asked.max(initial=0)))
+    lengths = np.minimum(n_max, width) if self.device_drafter else asked
+    lengths = np.where(lengths < n_min, 0, lengths).astype(np.int32)      # shorter drafts would not be verified
+    self.round += 1
+    return RoundPlan(width=width if lengths.any() else 0, lengths=lengths)
+
+  def _best_replayed(self, n_max, live) -> int:
+    """Index of the width with the most replayed tokens per ms over the live slots; a slot drafts
+    at most its n_max, so at a wider width it counts its tau at the widest width it reaches."""
+    idx = np.arange(len(self.widths))
+    reach = np.searchsorted(self.widths, n_max, side="right") - 1                   # [B] widest width <= n_max
+    eff = np.minimum(idx[:, None], reach[None, :])                                  # [W, B]
+    tau = np.take_along_axis(self.tau, eff, axis=0)
+    gain = np.sum(np.where(live[None, :], tau, 0.0), axis=1)                        # [W]
+    return int(np.argmax(gain / self.costs))
+
+  def _holding(self, n: int) -> int:
+    """The narrowest width that holds a draft of n tokens."""
+    return next(w for w in self.widths if w >= min(n, self.k))
+
+  def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len) -> None:
+    """After a round that ran at `width` (host drafters: the width their drafts needed) in `ms`
+    milliseconds: drafted [B] draft tokens verified, accepted [B], live [B] (before the round);
+    history [B, H] and hist_len [B]: the slot batch's token history now (device arrays)."""
+    self.acceptance = adapt.update(self.acceptance, drafted, accepted, live, self.ac.decay)
+    if plan.lengths.any():
+      self.rates.observe_round(plan.lengths, accepted, live)
+    self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
+    if not self.fixed_costs and width in self.widths:
+      i = self.widths.index(width)
+      self.costs[i] = self.ac.decay * self.costs[i] + (1.0 - self.ac.decay) * ms
+    if self.replayed and self.round % self.ac.segment_rounds == 0:
+      self._extend_replay(history, hist_len)
+
+  def _extend_replay(self, history, hist_len) -> None:
+    if self._replay_state is None:
+      self._replay_state = ReplayState.init(jnp.asarray(self._join_len), len(self.widths))
+    window = self.ac.segment_rounds * (self.k + 1) + self.k + 1     # what a slot produces in that many rounds
+    self._replay_state, tau = _replay(self._replay_state, jnp.asarray(self._joined), jnp.asarray(self._join_len),
+                                      history, hist_len, drafter=self.drafter, widths=self.widths, window=window,
+                                      decay=self.ac.decay, prior_rounds=self.ac.prior_rounds)
+    self.tau = np.asarray(tau, np.float64)
+    self._joined[:] = False
+
+  def record(self) -> dict:
+    """Widths, their current costs, rounds run at each, and the estimates the rule reads."""
+    out = {"widths": list(self.widths), "costs_ms": [round(float(c), 4) for c in self.costs],
+           "rounds_by_width": {str(w): n for w, n in self.rounds_by_width.items()}}
+    if self.replayed:
+      out["replayed_tau"] = [round(float(t), 4) for t in np.mean(self.tau, axis=1)]
+    else:
+      out["acceptance_by_position"] = [round(float(p), 4) for p in self.rates.rates]
+    return out
