@@ -273,3 +273,27 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   for body in out:
     u = body["usage"]["speculative"]
     assert u["draft_tokens"] <= 2 * 8 and u["accepted_tokens"] <= u["draft_tokens"] // 2, u
+
+
+def test_bench_serve_config_methods_and_levels():
+  """A bench-serve config: a bench config's methods (some kept by name) plus a checked serve:
+  section; requests per level grow with the clients; a method's n_min travels in each request."""
+  from specjax.bench.config import ConfigError
+  from specjax.serve.bench_config import spec_from_dict
+  from specjax.serve.bench_serve import BenchServeConfig, request_fields
+  data = {"name": "s", "target": "smollm2-135m-instruct", "methods": [
+      {"name": "ng", "speculator": "ngram_simple", "options": {"size_n": 3}, "draft_params": {"n_max": 8, "n_min": 1}},
+      {"name": "ng_adaptive", "speculator": "ngram_simple", "adaptive": True}],
+      "serve": {"concurrency": [1, 64], "num_prompts": 16, "prompts_per_client": 2}}
+  spec = spec_from_dict(data, methods=["ng_adaptive"])
+  assert [m.name for m in spec.experiment.methods] == ["ng_adaptive"] and spec.serve.concurrency == (1, 64)
+  with pytest.raises(ConfigError, match="no method"):
+    spec_from_dict(data, methods=["nope"])
+  with pytest.raises(ConfigError, match="serve.slots"):
+    spec_from_dict({**data, "serve": {"slots": 0}})
+  with pytest.raises(ConfigError, match="unknown key"):
+    spec_from_dict({**data, "serve": {"levels": [1]}})
+  cfg = BenchServeConfig(methods=[None], concurrency=[1, 64], rates=[], num_prompts=16, prompts_per_client=2)
+  assert cfg.requests_at("concurrency", 1) == 16 and cfg.requests_at("concurrency", 64) == 128
+  assert request_fields(spec_from_dict(data).experiment.methods[0]) == {"speculative": {"n_min": 1}}
+  assert request_fields(None) == {}

@@ -143,6 +143,11 @@ class SlotWidthController:
     if self.replayed and self.round % self.ac.segment_rounds == 0:
       self._extend_replay(history, hist_len)
 
+  def compile(self, history, hist_len) -> None:
+    """Compile the replay now (on the slot batch as it is), so no timed round pays for it."""
+    if self.replayed:
+      self._extend_replay(history, hist_len)
+
   def _extend_replay(self, history, hist_len) -> None:
     if self._replay_state is None:
       self._replay_state = ReplayState.init(jnp.asarray(self._join_len), len(self.widths))

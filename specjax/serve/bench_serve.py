@@ -3,9 +3,13 @@
 For each method (plain decoding, then each speculator), a server is started in-process (or a
 given URL is used) and driven by streamed chat requests with MT-bench prompts, either at fixed
 concurrency (N clients, each sending its next request when the last one ends) or as a Poisson
-process at given rates. Per level it reports time to first token, time per output token (after
-the first), output throughput and tau (tokens per slot-round, from each response's usage), as
-JSON beside a PNG of throughput against concurrency (or rate).
+process at given rates. Before anything is timed, the server compiles its programs (`warm`) and
+every distinct prompt of the run is sent once (max_tokens 2), so prefill widths, the join and
+the rounds are compiled. Per level it reports time to first token, time per output token (after
+the first), output throughput, tau (tokens per slot-round, from each response's usage) and the
+rounds the server ran at each verification width (from /metrics), as JSON beside a PNG of
+throughput against concurrency (or rate); both are rewritten after every level, so a run cut by
+a time limit keeps what it finished. The JSON records the git revision, the device and the config.
 """
 
 from __future__ import annotations
@@ -14,24 +18,33 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 
+WARMUP_TOKENS = 2      # max_tokens of the untimed requests that compile prefill widths and a round
+
 
 @dataclasses.dataclass
 class BenchServeConfig:
-  methods: list                  # None = plain decoding; else a speculator name
+  methods: list                  # None = plain decoding; else a `MethodConfig` (or a speculator name)
   concurrency: list[int]
   rates: list[float]
-  num_prompts: int = 64
+  num_prompts: int = 64          # requests per level, at least
+  prompts_per_client: int = 0    # and at least this many per client at a concurrency level
   max_tokens: int = 128
   dataset: str = "mt_bench"
   url: str | None = None
   out: str = "experiments/results/bench_serve"
   seed: int = 0
   temperature: float = 0.0
+  warmup: bool = True            # untimed requests first (every distinct prompt once)
+  server: dict = dataclasses.field(default_factory=dict)   # what the servers were built with (recorded)
+
+  def requests_at(self, kind: str, level) -> int:
+    return max(self.num_prompts, self.prompts_per_client * int(level) if kind == "concurrency" else 0)
 
 
 @dataclasses.dataclass
@@ -44,6 +57,17 @@ class Sample:
   rounds: int = 0
 
 
+def method_name(method) -> str:
+  return "plain" if method is None else getattr(method, "name", str(method))
+
+
+def request_fields(method) -> dict:
+  """What a method sets in each request: its n_min / p_min as the `speculative` field."""
+  dp = getattr(method, "draft_params", None)
+  spec = {k: getattr(dp, k) for k in ("n_min", "p_min") if dp is not None and getattr(dp, k)}
+  return {"speculative": spec} if spec else {}
+
+
 def prompts_of(dataset: str, n: int, seed: int) -> list[str]:
   """n first-turn prompts of the set (cycled when it has fewer), in a seeded order."""
   from specjax.bench.prompts import load_prompt_set
@@ -52,11 +76,11 @@ def prompts_of(dataset: str, n: int, seed: int) -> list[str]:
   return [turns[i % len(turns)] for i in range(n)]
 
 
-async def _request(client, prompt: str, cfg: BenchServeConfig, method) -> Sample:
+async def _request(client, prompt: str, cfg: BenchServeConfig, method, max_tokens: int | None = None) -> Sample:
   """One streamed chat completion; tokens counted by their ids, tau from the final usage."""
-  body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.max_tokens,
-          "temperature": cfg.temperature, "seed": cfg.seed, "stream": True,
-          "stream_options": {"include_usage": True}}
+  body = {"model": "bench", "messages": [{"role": "user", "content": prompt}],
+          "max_tokens": max_tokens or cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+          "stream": True, "stream_options": {"include_usage": True}, **request_fields(method)}
   t0 = time.perf_counter()
   s = Sample(ok=False)
   async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -120,49 +144,84 @@ def summarize(samples: list[Sample], wall: float) -> dict:
           "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
 
 
-async def _measure(url: str, cfg: BenchServeConfig, method) -> list[dict]:
-  """Every level against one server: a short warm-up (compilation), then each level."""
+_WIDTH_LINE = re.compile(r'^specjax_rounds_at_width_total\{width="(\d+)"\} (\S+)$', re.M)
+
+
+async def rounds_by_width(client) -> dict[str, int]:
+  """The server's rounds so far at each verification width (its /metrics; {} without them)."""
+  r = await client.get("/metrics")
+  return {w: int(float(n)) for w, n in _WIDTH_LINE.findall(r.text)} if r.status_code == 200 else {}
+
+
+async def _measure(url: str, cfg: BenchServeConfig, method, on_row) -> list[dict]:
+  """Every level against one server: the untimed warm-up, then each level; `on_row(row)` after each."""
   import httpx
   from tqdm import tqdm
   rows = []
   levels = [("concurrency", c) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
   async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=1024)) as client:
-    warm = prompts_of(cfg.dataset, 2, cfg.seed + 1)
-    await asyncio.gather(*(_request(client, p, cfg, method) for p in warm))
+    if cfg.warmup:
+      longest = max(cfg.requests_at(kind, level) for kind, level in levels)
+      distinct = list(dict.fromkeys(prompts_of(cfg.dataset, longest, cfg.seed)))
+      limit = asyncio.Semaphore(max(cfg.concurrency or [8]))
+      async def warm(p):
+        async with limit:
+          return await _request(client, p, cfg, method, max_tokens=WARMUP_TOKENS)
+      await asyncio.gather(*(warm(p) for p in distinct))
     for kind, level in levels:
-      prompts = prompts_of(cfg.dataset, cfg.num_prompts, cfg.seed)
-      with tqdm(total=len(prompts), desc=f"{method or 'plain'} {kind}={level}", leave=False) as bar:
+      prompts = prompts_of(cfg.dataset, cfg.requests_at(kind, level), cfg.seed)
+      before = await rounds_by_width(client)
+      with tqdm(total=len(prompts), desc=f"{method_name(method)} {kind}={level}", leave=False) as bar:
         t0 = time.perf_counter()
         run = _fixed if kind == "concurrency" else _poisson
         samples = await run(client, prompts, cfg, method, level, bar)
-        rows.append({"method": method or "plain", kind: level, **summarize(samples, time.perf_counter() - t0)})
+        row = {"method": method_name(method), kind: level, **summarize(samples, time.perf_counter() - t0)}
+      after = await rounds_by_width(client)
+      row["rounds_by_width"] = {w: n - before.get(w, 0) for w, n in after.items() if n - before.get(w, 0)}
+      rows.append(row)
+      on_row(row)
   return rows
 
 
+def _config_record(cfg: BenchServeConfig) -> dict:
+  d = dataclasses.asdict(cfg)
+  d["methods"] = [m if m is None or isinstance(m, str) else dataclasses.asdict(m) for m in cfg.methods]
+  return d
+
+
 def run_bench(cfg: BenchServeConfig, make_server) -> dict:
-  """Measure each method (a fresh in-process server per method, or `cfg.url`), write JSON + PNG."""
-  from specjax.bench.env import environment
+  """Measure each method (a fresh in-process server per method, or `cfg.url`); JSON + PNG are
+  written after every level."""
+  from specjax.bench.env import device_info, environment, git_revision
   from specjax.serve.app import run_in_thread
-  rows = []
+  rows: list[dict] = []
+  out = Path(cfg.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  result = {"config": _config_record(cfg), "git_rev": git_revision(), "device": device_info(),
+            "environment": environment(), "rows": rows, "summary": []}
+
+  def write(row=None):
+    if row is not None:
+      rows.append(row)
+    result["summary"] = [{k: r.get(k) for k in ("method", "concurrency", "rate", "throughput_tok_s", "tau")}
+                         for r in rows]
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    if rows:
+      plot(rows, out.with_suffix(".png"))
+
+  write()
   for method in ([None] if cfg.url else cfg.methods):
     if cfg.url:
-      rows += asyncio.run(_measure(cfg.url, cfg, "url"))
+      asyncio.run(_measure(cfg.url, cfg, "url", write))
       continue
     server = make_server(method)
-    server.scheduler.engine.warm()          # prefill programs compiled before anything is timed
+    server.scheduler.engine.warm()          # prefill programs (and adaptive widths) compiled before anything is timed
     http, url = run_in_thread(server.app())
     try:
-      rows += asyncio.run(_measure(url, cfg, method))
+      asyncio.run(_measure(url, cfg, method, write))
     finally:
       http.should_exit = True
       server.scheduler.stop()
-  result = {"config": dataclasses.asdict(cfg), "environment": environment(), "rows": rows,
-            "summary": [{k: r.get(k) for k in ("method", "concurrency", "rate", "throughput_tok_s", "tau")}
-                        for r in rows]}
-  out = Path(cfg.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-  plot(rows, out.with_suffix(".png"))
   return result
 
 

@@ -112,17 +112,71 @@ def _csv(kind):
 
 
 def cmd_bench_serve(args) -> int:
+  """From a config (`--config`: methods with their heads, options and draft parameters, and the
+  `serve:` section), or from flags (plain decoding, then each `--spec` with the shared server flags)."""
+  from specjax.bench.config import DraftParamsConfig, MethodConfig
   from specjax.serve.bench_serve import BenchServeConfig, run_bench
+  if args.config:
+    return _bench_serve_config(args)
   if not args.concurrency and not args.rate:
     args.concurrency = [1, 8, 32, 64]
-  cfg = BenchServeConfig(methods=[None] + list(args.spec or []) if not args.no_plain else list(args.spec or []),
-                         concurrency=args.concurrency or [], rates=args.rate or [], num_prompts=args.num_prompts,
-                         max_tokens=args.max_tokens, dataset=args.dataset, url=args.url, out=args.out,
-                         seed=args.seed, temperature=args.temperature)
+  specs = [MethodConfig(name=s, speculator=s, draft_model=args.draft_model, head=args.head,
+                        draft_params=DraftParamsConfig(n_max=args.n_max), adaptive=args.adaptive)
+           for s in args.spec or []]
+  cfg = BenchServeConfig(methods=specs if args.no_plain else [None] + specs, concurrency=args.concurrency or [],
+                         rates=args.rate or [], num_prompts=args.num_prompts or 64,
+                         prompts_per_client=args.prompts_per_client, max_tokens=args.max_tokens or 128,
+                         dataset=args.dataset, url=args.url, out=args.out or "experiments/results/bench_serve",
+                         seed=args.seed, temperature=args.temperature, warmup=not args.no_warmup,
+                         server={"model": args.model, "dtype": args.dtype, "slots": args.slots,
+                                 "capacity": args.capacity, "chunk": args.chunk, "max_queue": args.max_queue,
+                                 "spec_config": args.spec_config})
   if not cfg.methods:
     raise UserError("nothing to measure: --no-plain needs at least one --spec")
   target, options = (None, None) if args.url else _load(args)
-  result = run_bench(cfg, lambda spec: _server_from_args(args, target, options, spec))
+
+  def make(method):
+    return build_server(target, None if method is None else method.speculator, slots=args.slots,
+                        capacity=args.capacity, max_queue=args.max_queue, chunk=args.chunk, n_max=args.n_max,
+                        draft_model=args.draft_model, head=args.head, options=options, adaptive=args.adaptive)
+  result = run_bench(cfg, make)
+  print(json.dumps(result["summary"], indent=1))
+  return 0
+
+
+def _bench_serve_config(args) -> int:
+  """bench-serve from a config file; --methods keeps some of its methods, and the load flags given
+  (--concurrency, --rate, --num-prompts, --prompts-per-client, --max-tokens, --out) override it."""
+  import dataclasses
+
+  from specjax import api
+  from specjax.serve.bench_config import load_bench_serve
+  from specjax.serve.bench_serve import BenchServeConfig, run_bench
+  spec = load_bench_serve(args.config, methods=args.methods)
+  exp, sv = spec.experiment, spec.serve
+  if args.concurrency or args.rate:
+    sv = dataclasses.replace(sv, concurrency=tuple(args.concurrency or ()), rates=tuple(args.rate or ()))
+  methods = ([None] if sv.plain and not args.no_plain else []) + list(exp.methods)
+  if not methods:
+    raise UserError("nothing to measure: the config has no methods and plain decoding is off")
+  capacity = exp.capacity or 2048
+  cfg = BenchServeConfig(methods=methods, concurrency=list(sv.concurrency), rates=list(sv.rates),
+                         num_prompts=args.num_prompts or sv.num_prompts,
+                         prompts_per_client=args.prompts_per_client or sv.prompts_per_client,
+                         max_tokens=args.max_tokens or exp.max_new_tokens, dataset=exp.prompts[0], url=args.url,
+                         out=args.out or f"experiments/results/{exp.name}", seed=exp.seed,
+                         temperature=exp.sampling.temperature, warmup=not args.no_warmup,
+                         server={"name": exp.name, "model": exp.target, "dtype": exp.dtype, "slots": sv.slots,
+                                 "capacity": capacity, "chunk": sv.chunk, "max_queue": sv.max_queue})
+  target = None if args.url else api.load(exp.target, dtype=exp.dtype)
+
+  def make(m):
+    if m is None:
+      return build_server(target, None, slots=sv.slots, capacity=capacity, max_queue=sv.max_queue, chunk=sv.chunk)
+    return build_server(target, m.speculator, slots=sv.slots, capacity=capacity, max_queue=sv.max_queue,
+                        chunk=sv.chunk, n_max=m.draft_params.n_max, draft_model=m.draft_model, head=m.head,
+                        options=m.options or None, policy=m.policy, adaptive=m.adaptive)
+  result = run_bench(cfg, make)
   print(json.dumps(result["summary"], indent=1))
   return 0
 
@@ -137,16 +191,24 @@ def add_serve_commands(sub) -> None:
 
   b = sub.add_parser("bench-serve", help="load-test a server: TTFT, TPOT, throughput and tau per concurrency level")
   _server_args(b)
+  b.add_argument("--config", default=None,
+                 help="a bench-serve config (specjax/serve/bench_config.py): target, methods and a serve: section; "
+                      "the model, speculator and server flags are then the config's")
+  b.add_argument("--methods", type=_csv(str), default=None, help="with --config: keep only these methods (names)")
   b.add_argument("--spec", action="append", default=None,
                  help="a speculator to compare with plain decoding (repeatable; each gets its own server)")
   b.add_argument("--no-plain", action="store_true", help="skip the plain-decoding server")
   b.add_argument("--concurrency", type=_csv(int), default=None, help="fixed concurrency levels (default 1,8,32,64)")
   b.add_argument("--rate", type=_csv(float), default=None, help="Poisson arrival rates, requests/s")
-  b.add_argument("--num-prompts", type=int, default=64, help="requests per level (default 64)")
-  b.add_argument("--max-tokens", type=int, default=128)
+  b.add_argument("--num-prompts", type=int, default=None, help="requests per level, at least (default 64)")
+  b.add_argument("--prompts-per-client", type=int, default=0,
+                 help="and at least this many per client at a concurrency level (default 0)")
+  b.add_argument("--no-warmup", action="store_true", help="skip the untimed requests that compile before timing")
+  b.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128)")
   b.add_argument("--temperature", type=float, default=0.0)
   b.add_argument("--dataset", default="mt_bench", help="prompt set (specjax.io.datasets; default mt_bench)")
   b.add_argument("--url", default=None, help="measure a running server instead of starting one")
   b.add_argument("--seed", type=int, default=0)
-  b.add_argument("--out", default="experiments/results/bench_serve", help="output prefix: .json and .png")
+  b.add_argument("--out", default=None,
+                 help="output prefix: .json and .png (default experiments/results/bench_serve, or the config's name)")
   b.set_defaults(func=cmd_bench_serve)

@@ -253,6 +253,7 @@ class SlotEngine:
       jax.block_until_ready(out)
     if self.control is not None:
       self.control.set_costs(self.round_costs())
+      self.control.compile(self.state.history, self.state.hist_len)
 
   def finish(self, slots: list[int]) -> None:
     """Free slots (finished, cancelled or disconnected): masked from the next round on."""
@@ -330,7 +331,6 @@ class SlotEngine:
         toks[i, :n], lens[i] = np.asarray(t).reshape(-1)[:n], n
     if not lens.any():
       out = self._plain(sampling, max_new)
-      zeros = np.zeros((self.b,), np.int32)
     else:
       width = min(k, 1 << int(max(int(lens.max()), 1) - 1).bit_length())
       self.state, _, new, n_new, dlen, n_acc = _round_step(
