@@ -71,7 +71,9 @@ def test_tiny_run_numbers_match_the_engine(tmp_path, interleave, prompt_data):
   tokens, and the summary must be the aggregate of them."""
   if not model_path("smollm2-135m-instruct").exists():
     pytest.skip("SmolLM2 not fetched")
-  from specjax.bench.harness import PLAIN, run_experiment, _messages
+  from specjax.bench.harness import run_experiment
+  from specjax.bench.records import PLAIN
+  from specjax.bench.runner import _messages
   from specjax.bench.prompts import load_prompt_set
   from specjax.engine.decode import generate_plain
   from specjax.drafters.base import DraftParams

@@ -233,9 +233,9 @@ def test_repeats_of_a_suffix_trial_see_the_same_drafter(target, monkeypatch):
   tree (cross-request memory) is restored before every timed repeat, so the second repeat cannot
   draft the answer the first one just produced; both repeats accept exactly what a one-repeat run
   accepts, and the warm-up leaves no trace either."""
-  from specjax.bench import harness
+  from specjax.bench.runner import Runner
   timed = []
-  call = harness.Runner._call
+  call = Runner._call
 
   def spy(self, prompts, max_new_tokens, warm=False):
     out = call(self, prompts, max_new_tokens, warm)
@@ -243,7 +243,7 @@ def test_repeats_of_a_suffix_trial_see_the_same_drafter(target, monkeypatch):
       timed.append((self.cfg.repeats, out.stats.acc_tokens, out.stats.rounds))
     return out
 
-  monkeypatch.setattr(harness.Runner, "_call", spy)
+  monkeypatch.setattr(Runner, "_call", spy)
   method = MethodConfig(name="suffix", speculator="suffix", options={"max_spec_tokens": 8},
                         draft_params=tune.DraftParamsConfig(n_max=8))
   questions = tiny_questions(3)

@@ -1,4 +1,4 @@
-"""Trained heads evaluated the way the bench harness measures (`specjax.bench.harness`): plain
+"""Trained heads evaluated the way the bench harness measures (`specjax.bench.runner`): plain
 decoding and each head's method on the first turns of the same questions, batch by batch, every
 new input shape warmed up untimed, each batch timed `repeats` times (its fastest run counts).
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.bench import harness
 from specjax.bench.config import DraftParamsConfig, ExperimentConfig, MethodConfig, SamplingConfig
+from specjax.bench.records import PLAIN, compare_with_plain, position_counts, summarize
+from specjax.bench.runner import run_method
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
 from specjax.engine.generation import PROMPT_BUCKET, round_up
@@ -45,7 +46,7 @@ def evaluate_rows(target, questions, methods: list[MethodConfig], *, temperature
   rows: list[dict] = []
   widest = max([m.draft_params.n_max for m in methods] + [1])
   cap = capacity or first_turn_capacity(target, questions, max_new_tokens, widest)
-  labels = [harness.PLAIN] + [m.name for m in methods]
+  labels = [PLAIN] + [m.name for m in methods]
   for temp in temperatures:
     kept = {r["method"]: r for r in done_rows or [] if r.get("temperature") == temp}
     if set(labels) <= set(kept):
@@ -60,7 +61,7 @@ def evaluate_rows(target, questions, methods: list[MethodConfig], *, temperature
                            sampling=SamplingConfig(temperature=temp), methods=tuple(methods))
     plain = None
     for method in [None] + list(methods):
-      records = harness.run_method(cfg, target, method, questions, {})
+      records = run_method(cfg, target, method, questions, {})
       if method is None:
         plain = records
       row = _row(labels[0] if method is None else method, temp, records, plain)
@@ -75,30 +76,30 @@ def evaluate_rows(target, questions, methods: list[MethodConfig], *, temperature
 def _row(method, temp: float, records: list, plain: list) -> dict:
   """One method's row (method: a MethodConfig, or the plain label) from its harness records."""
   if not isinstance(method, MethodConfig):
-    s = harness.summarize(records, {})
+    s = summarize(records, {})
     return {"method": method, "temperature": temp, "tokens": s["new_tokens"], "seconds": s["seconds"],
             "tokens_per_s": s["tokens_per_s"], "speedup": 1.0, "tau": 1.0, "repeat_spread": s["repeat_spread"]}
-  by_plain = harness.compare_with_plain({harness.PLAIN: plain, method.name: records})
-  s = harness.summarize(records, by_plain)
+  by_plain = compare_with_plain({PLAIN: plain, method.name: records})
+  s = summarize(records, by_plain)
   n_max = method.draft_params.n_max
-  drafted, accepted = (x[:n_max] for x in harness.position_counts(records))
+  drafted, accepted = (x[:n_max] for x in position_counts(records))
   cats: dict[str, list] = {}
   for r in records:
     cats.setdefault(r.category, []).append(r)
-  plain_tps = harness.summarize(plain, {})["tokens_per_s"]
+  plain_tps = summarize(plain, {})["tokens_per_s"]
   row = {"method": method.name, "temperature": temp, "n_max": n_max, "tau": s["tau"],
          "rounds": sum(r.rounds for r in records), "tokens": s["new_tokens"], "seconds": s["seconds"],
          "acceptance_by_pos": (accepted / np.maximum(drafted, 1)).round(4).tolist(),
          "drafted_by_pos": drafted.tolist(), "tokens_per_s": s["tokens_per_s"],
          "speedup": s["tokens_per_s"] / plain_tps, "repeat_spread": s["repeat_spread"],
-         "tau_by_category": {c: harness.summarize(rs, by_plain)["tau"] for c, rs in sorted(cats.items())}}
+         "tau_by_category": {c: summarize(rs, by_plain)["tau"] for c, rs in sorted(cats.items())}}
   if temp == 0:
     row["equal_to_plain"] = s["equal"]
   return row
 
 
 def _describe(row: dict) -> str:
-  if row["method"] == harness.PLAIN:
+  if row["method"] == PLAIN:
     return f"plain: {row['tokens_per_s']:.1f} tok/s"
   return (f"{row['method']}: tau {row['tau']:.3f}, {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x), "
           f"acceptance {row['acceptance_by_pos'][:8]}"

@@ -47,7 +47,7 @@ compilation dominates like this, `random` over all tuning questions costs little
 halving's first rung and measures with less noise; halving pays off when
 generation dominates (long answers, many questions, configurations that share programs).
 
-Timings are the bench harness's (`specjax.bench.harness.Runner`, one runner for both): each trial
+Timings are the bench harness's (`specjax.bench.runner.Runner`, one runner for both): each trial
 warms every new input shape up with a two-token generation (which compiles the same programs as a
 full one) before its timed runs, drafters with cross-request memory (suffix, ngram_mod,
 ngram_cache) are restored to the same state before every timed repeat, so no repeat drafts from an

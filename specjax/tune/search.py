@@ -10,6 +10,7 @@ import time
 from specjax.bench import harness
 from specjax.bench.config import MethodConfig, to_dict
 from specjax.bench.prompts import Question
+from specjax.bench.records import PLAIN, PromptRecord, result_dict, summarize as summarize_records
 from specjax.tune.config import TuneConfig, TuneError, _plain, tune_config_to_dict
 from specjax.tune.questions import split_questions
 from specjax.tune.report import _fmt, _num
@@ -66,17 +67,17 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   seen: set[str] = set()
   trials: list[dict] = []
   methods: list[MethodConfig] = []
-  records: dict[int, list[harness.PromptRecord]] = {}
+  records: dict[int, list[PromptRecord]] = {}
   stop_reason = None
 
   # plain decoding on the tuning questions: speedup reference (and the plot's baseline)
-  plain_records: list[harness.PromptRecord] = []
+  plain_records: list[PromptRecord] = []
   try:
     plain_records = run_questions(cfg, target, None, tune_qs, draft_cache, deadline)
   except Deadline:
     stop_reason = "seconds"
   plain = {(r.question_id, r.turn): r for r in plain_records}
-  plain_summary = harness.summarize(plain_records, plain) if plain_records else None
+  plain_summary = summarize_records(plain_records, plain) if plain_records else None
 
   space = Space(t)
 
@@ -171,12 +172,11 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
 
   # held-out: plain, default, tuned on questions the search never saw (no deadline here)
   t2 = time.perf_counter()
-  by_method = {harness.PLAIN: run_questions(cfg, target, None, holdout_qs, draft_cache)}
+  by_method = {PLAIN: run_questions(cfg, target, None, holdout_qs, draft_cache)}
   by_method[default.name] = run_questions(cfg, target, default, holdout_qs, draft_cache)
   by_method[best_method.name] = run_questions(cfg, target, best_method, holdout_qs, draft_cache)
   holdout_cfg = dataclasses.replace(cfg, name=f"{cfg.name}_holdout", methods=(default, best_method))
-  holdout = harness.result_dict(holdout_cfg, by_method, time.perf_counter() - t2,
-                                files=harness.run_files(holdout_cfg, target))
+  holdout = result_dict(holdout_cfg, by_method, time.perf_counter() - t2, files=harness.run_files(holdout_cfg, target))
   hs = holdout["summary"]
   say(f"held-out tokens/s: plain {_fmt(hs['plain']['overall']['tokens_per_s'])}, "
       f"{default.name} {_fmt(hs[default.name]['overall']['tokens_per_s'])}, "
