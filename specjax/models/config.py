@@ -40,6 +40,8 @@ class ModelConfig:
   query_scale: float | None = None          # default head_dim ** -0.5
   bos_id: int | None = None
   eos_id: int | None = None
+  invariant: bool = False                   # batch-invariant forward: a row's logits do not depend on the
+                                            # number of rows (specjax/kernels/invariant_*; `api.load`)
 
   def __post_init__(self):
     if self.arch not in ARCHS:

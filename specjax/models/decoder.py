@@ -9,6 +9,11 @@ One `forward` serves prefill, one-token decode, K+1-token verification and tree 
 T new tokens per sequence are written at cache slots `length .. length+T-1`, at rotary positions
 `positions` (default: the slots), and see every committed slot plus the new tokens allowed by
 `attn_mask` (default: causal among the new tokens).
+
+With `cfg.invariant` every matmul, norm and attention runs through the batch-invariant kernels
+(`specjax.models.layers`): a position's K/V and logits are then bitwise the same whether it is
+prefilled, decoded alone or verified inside a chain or a tree, so speculative greedy output equals
+plain greedy output in bf16 too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import invariant_matmul
 from specjax.kernels.verify_attention import RaggedMask, causal_new_mask
 from specjax.models.config import ModelConfig
 from specjax.models.layers import MLP, Attention, Linear, RMSNorm
@@ -28,21 +34,29 @@ from specjax.models.kv_cache import KVCache, check_capacity
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+  """One decoder layer. `invariant` (the target's `cfg.invariant`, passed by `Transformer`; heads
+  that reuse the block keep the XLA path) selects the batch-invariant kernels."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, invariant: bool = False):
     self.sliding = cfg.layer_types[layer] == "sliding"
-    self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-    self.self_attn = Attention(cfg, sliding=self.sliding, dtype=dtype, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+    norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, invariant=invariant)
+    self.input_layernorm = norm()
+    self.self_attn = Attention(cfg, sliding=self.sliding, dtype=dtype, rngs=rngs, invariant=invariant)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, invariant=invariant)
     if cfg.sandwich_norm:
-      self.pre_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-      self.post_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+      self.pre_feedforward_layernorm = norm()
+      self.post_feedforward_layernorm = norm()
     self.sandwich = cfg.sandwich_norm
+    self.invariant = invariant
 
   def __call__(self, x, positions, write_kv, masks):
     kind = "sliding" if self.sliding else "full"
-    ragged = masks.get("ragged", {}).get(kind)
-    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, write_kv, masks[kind], ragged)
+    if self.invariant:   # the full-attention ragged mask; a sliding window is applied in the kernel
+      ragged, causal = masks["ragged"]["full"], masks["causal"]
+    else:
+      ragged, causal = masks.get("ragged", {}).get(kind), False
+    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, write_kv, masks[kind], ragged, causal)
     if self.sandwich:   # gemma3: norm the attention output, then a pre-norm and post-norm around the MLP
       x = x + self.post_attention_layernorm(attn_out)
       x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -55,10 +69,12 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     self.cfg = cfg
+    inv = cfg.invariant
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
-    self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.n_layers)])
-    self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-    self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([Block(cfg, i, dtype=dtype, rngs=rngs, invariant=inv) for i in range(cfg.n_layers)])
+    self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, invariant=inv)
+    self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype,
+                                                          rngs=rngs, invariant=inv)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     x = self.embed_tokens(tokens)                                                # [B, T, d_model]
@@ -74,6 +90,8 @@ class Transformer(nnx.Module):
     """The LM head alone. h [B, T, d_model] (normed) -> [B, T, V] float32."""
     if self.lm_head is None:
       w = self.embed_tokens.embedding[...]
+      if self.cfg.invariant:
+        return invariant_matmul.pallas_matmul(h, w, transposed=True)                # [B, T, V]
       out = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
       w = self.lm_head.kernel[...]
@@ -99,7 +117,8 @@ class Transformer(nnx.Module):
 def attention_masks(cfg: ModelConfig, lengths, positions, capacity: int, attn_mask=None):
   """Visibility masks [B, T, S] for full and sliding layers, and under "ragged" the same masks as
   `RaggedMask`s (lengths + the mask among the new tokens) for the verification-attention kernel
-  (None for sliding-window layers, which stay on the dense mask).
+  (None for sliding-window layers, which stay on the dense mask); "causal": no `attn_mask` was
+  given (static; the batch-invariant attention reads chains straight from their slots).
 
   lengths [B] committed slots; positions [B, T] rotary positions of the new tokens;
   attn_mask [B, T, T] bool among the new tokens (default causal).
@@ -124,6 +143,7 @@ def attention_masks(cfg: ModelConfig, lengths, positions, capacity: int, attn_ma
     masks["sliding"] = full
   ragged = RaggedMask(lengths, causal_new_mask(b, t) if attn_mask is None else attn_mask)
   masks["ragged"] = {"full": ragged, "sliding": None if cfg.sliding_window else ragged}
+  masks["causal"] = attn_mask is None
   return masks
 
 
@@ -197,21 +217,30 @@ class DecoderTarget:
     return after.with_lengths(before.lengths + n_keep)
 
 
+# The target's pieces for drafters and head training. They run the XLA path even for an invariant
+# target: a draft needs no bitwise agreement with verification (the target's own `forward` decides
+# what is emitted), and the batch-invariant kernels would only slow drafting down.
+
+
+def _drafting_model(params, cfg: ModelConfig) -> Transformer:
+  return model_of(params, cfg.replace(invariant=False) if cfg.invariant else cfg)
+
+
 def logits_from_prenorm(params, cfg: ModelConfig, h):
   """Target's final norm + LM head applied to pre-norm hidden states h [B, T, d_model]."""
-  return model_of(params, cfg).logits(h)
+  return _drafting_model(params, cfg).logits(h)
 
 
 def final_norm(params, cfg: ModelConfig, h):
   """Target's final norm alone. h [B, T, d_model] -> [B, T, d_model]."""
-  return model_of(params, cfg).norm(h)
+  return _drafting_model(params, cfg).norm(h)
 
 
 def lm_head_logits(params, cfg: ModelConfig, h):
   """Target's LM head alone (no final norm) on h [B, T, d_model] -> [B, T, V] float32."""
-  return model_of(params, cfg).head(h)
+  return _drafting_model(params, cfg).head(h)
 
 
 def embed_tokens(params, cfg: ModelConfig, tokens):
   """Target's (scaled) token embedding. tokens [B, T] -> [B, T, d_model]."""
-  return model_of(params, cfg).embed(tokens)
+  return _drafting_model(params, cfg).embed(tokens)

@@ -2,6 +2,12 @@
 
 Flax NNX modules define the parameters; their `__call__`s are pure functions of inputs and the
 KV arrays they are handed (caches are never module state).
+
+`invariant=True` (a static attribute; the target's `ModelConfig.invariant`) runs the linear
+layers, the norms and attention through the batch-invariant kernels of `specjax.kernels`: a row's
+result then does not depend on how many rows (tokens) the call has, so a one-token decode and a
+K+1-token verification give a position bitwise equal logits. The element-wise parts (rotary
+embedding, activations, residual adds) are row-wise in XLA either way.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.kernels import verify_attention
+from specjax.kernels import invariant_attention, invariant_matmul, invariant_rmsnorm, verify_attention
 
 NEG_INF = verify_attention.NEG_INF
 
@@ -24,14 +30,18 @@ class Linear(nnx.Module):
   one-token decode round identically far more often (fewer greedy divergences from float ties).
   """
 
-  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, invariant: bool = False):
     std = d_in ** -0.5
     self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32).astype(dtype) * std)
     self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+    self.invariant = invariant
 
   def __call__(self, x: jax.Array) -> jax.Array:
     w = self.kernel[...]
-    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if self.invariant:
+      y = invariant_matmul.pallas_matmul(x, w)                                    # [..., out] float32
+    else:
+      y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     if self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32)
     return y
@@ -40,12 +50,15 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
   """RMSNorm in float32; `offset` gives Gemma's (1 + w) weight."""
 
-  def __init__(self, dim: int, eps: float, *, offset: bool, dtype):
+  def __init__(self, dim: int, eps: float, *, offset: bool, dtype, invariant: bool = False):
     self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
     self.eps = eps
     self.offset = offset
+    self.invariant = invariant
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.invariant:
+      return invariant_rmsnorm.rms_norm(x, self.weight[...], self.eps, offset=self.offset)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     w = self.weight[...].astype(jnp.float32)
@@ -87,25 +100,30 @@ attend = verify_attention.attend_reference   # XLA attention over a dense [B, T,
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg, *, sliding: bool, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, sliding: bool, dtype, rngs: nnx.Rngs, invariant: bool = False):
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Q, K and V projections as one matrix [d_model, (H + 2 KVH) * D]: one GEMM launch instead of
     # three (decode at small batch is bound by launches, not bytes). Loaders concatenate HF's q/k/v.
-    self.qkv_proj = Linear(cfg.d_model, (h + 2 * kvh) * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-    self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+    self.qkv_proj = Linear(cfg.d_model, (h + 2 * kvh) * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs,
+                           invariant=invariant)
+    self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.o_bias, dtype=dtype, rngs=rngs, invariant=invariant)
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
-      self.k_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
+      self.q_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, invariant=invariant)
+      self.k_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, invariant=invariant)
     else:
       self.q_norm = self.k_norm = None
     self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, d
     self.theta = cfg.rope_local_theta if (sliding and cfg.rope_local_theta) else cfg.rope_theta
     self.rope_scaling = () if (sliding and cfg.rope_local_theta) else cfg.rope_scaling
     self.scale = cfg.scale
+    self.window = cfg.sliding_window if sliding else None
+    self.invariant = invariant
 
-  def __call__(self, x, positions, write_kv, mask, ragged=None):
+  def __call__(self, x, positions, write_kv, mask, ragged=None, causal=False):
     """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S];
-    ragged: the same mask as lengths + a mask among the new tokens, when it is one (the kernel's input)."""
+    ragged: the same mask as lengths + a mask among the new tokens, when it is one (the kernel's input).
+    Invariant attention reads `ragged` (the full-attention one; the window is applied in the kernel)
+    and `causal` (the new tokens are a chain at their own slots) instead of `mask`."""
     b, t, _ = x.shape
     qkv = self.qkv_proj(x)                                                        # [B, T, (H+2KVH)*D]
     nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -116,16 +134,22 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions, self.theta, self.rope_scaling), rope(k, positions, self.theta, self.rope_scaling)
     k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
-    out = verify_attention.attention(q, k_all, v_all, mask, self.scale, ragged)   # [B, T, H, D]
+    if self.invariant:
+      out = invariant_attention.invariant_attention(
+          q, k_all, v_all, ragged.lengths, positions, self.scale,
+          new_mask=None if causal else ragged.new_mask, window=self.window)   # [B, T, H, D]
+    else:
+      out = verify_attention.attention(q, k_all, v_all, mask, self.scale, ragged)   # [B, T, H, D]
     return self.o_proj(out.reshape(b, t, -1)), (k_all, v_all)
 
 
 class MLP(nnx.Module):
   """Gated MLP: down(act(gate(x)) * up(x))."""
 
-  def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
-    self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs)   # [gate | up]
-    self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False, dtype=dtype, rngs=rngs)
+  def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, invariant: bool = False):
+    self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs,
+                               invariant=invariant)                               # [gate | up]
+    self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False, dtype=dtype, rngs=rngs, invariant=invariant)
     self.activation = cfg.activation
 
   def __call__(self, x):
