@@ -8,6 +8,10 @@
 
 `speculator` is None (plain decoding), a name or comma-separated chain of names
 (`draft`, `ngram_simple`, ..., `suffix`), or a drafter object.
+
+`api.load(..., invariant=True)` (or SPECJAX_INVARIANT=1, or `batch_invariant(target)`) runs the
+target's forward through the batch-invariant kernels (`ModelConfig.invariant`): speculative greedy
+output then equals plain greedy output bitwise in bf16 too, at some cost in speed.
 """
 
 from __future__ import annotations
@@ -27,26 +31,49 @@ from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
 from specjax.errors import UserError
+from specjax.models.config import ModelConfig
 from specjax.models.load import LoadedModel, load_model
 from specjax.engine.sampling import SamplingParams
 from specjax.engine.stats import SpecStats
 
 
-def load(name_or_path: str, dtype: str = "float32", mesh=None) -> LoadedModel:
+INVARIANT_ENV = "SPECJAX_INVARIANT"     # "1": `load` turns batch-invariant mode on unless told otherwise
+
+
+def load(name_or_path: str, dtype: str = "float32", mesh=None, invariant: bool | None = None) -> LoadedModel:
   """Load a model by fetch name (downloaded on first use), GGUF path or HF directory.
 
   mesh: None (one device), a spec such as "data=2,model=4", or a `jax.sharding.Mesh` with axes
   ("data", "model"): the parameters are sharded over it (`specjax.parallel`), read on the host and
-  written straight to their shards, and `generate` runs the batch over "data"."""
+  written straight to their shards, and `generate` runs the batch over "data".
+  invariant: batch-invariant forward (`batch_invariant`); None: SPECJAX_INVARIANT=1 turns it on."""
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise UserError(f"model must be a fetch name or a path, got {type(name_or_path).__name__}")
   dt = jnp.dtype(request.check_choice("dtype", str(dtype), request.DTYPES))
+  if invariant is None:
+    invariant = os.environ.get(INVARIANT_ENV, "0") == "1"
   mesh = parallel.as_mesh(mesh)
+  if invariant and mesh is not None:
+    raise UserError("batch-invariant mode runs on one device (its kernels are not partitioned over a mesh)")
   if mesh is None:
-    return load_model(str(name_or_path), dtype=dt)
+    model = load_model(str(name_or_path), dtype=dt)
+    return batch_invariant(model) if invariant else model
   with jax.default_device(jax.local_devices(backend="cpu")[0]):   # host memory: no device holds a whole copy
     model = load_model(str(name_or_path), dtype=dt)
   return shard(model, mesh)
+
+
+def batch_invariant(model: LoadedModel, on: bool = True) -> LoadedModel:
+  """`model` with batch-invariant mode on (or off): every linear layer, norm and attention of its
+  forward runs through kernels whose per-row reduction order does not depend on how many tokens
+  are computed together (`specjax.kernels.invariant_*`), so a position's logits are the same in a
+  one-token decode and in a K+1-token or tree verification. Same parameters; attention-only
+  targets on one device."""
+  if not isinstance(model.cfg, ModelConfig):
+    raise UserError("batch-invariant mode covers attention-only targets (llama, qwen2/3, mistral, gemma3)")
+  if on and getattr(model, "mesh", None) is not None:
+    raise UserError("batch-invariant mode runs on one device (its kernels are not partitioned over a mesh)")
+  return dataclasses.replace(model, cfg=model.cfg.replace(invariant=on))
 
 
 def shard(model: LoadedModel, mesh) -> LoadedModel:

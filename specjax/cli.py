@@ -189,7 +189,7 @@ def cmd_generate(args) -> int:
     parse_mesh(args.mesh)              # a bad spec fails before the model loads
   _check_model_name(args.model, "--model")
   template = _read_chat_template(args)
-  target = api.load(args.model, dtype=args.dtype, mesh=args.mesh)
+  target = api.load(args.model, dtype=args.dtype, mesh=args.mesh, invariant=args.invariant or None)
   if template is not None:
     if target.tokenizer is None:
       raise UserError(f"--chat-template needs a tokenizer; {args.model} has none")
@@ -246,6 +246,9 @@ def main(argv=None) -> int:
   g.add_argument("--model", default="smollm2-135m-instruct", help="fetch name, GGUF file or HF directory")
   g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                  help="float32 (CPU) or bfloat16 (GPU)")
+  g.add_argument("--invariant", action="store_true",
+                 help="batch-invariant forward: speculative greedy output equals plain greedy output bitwise "
+                      "(slower; also SPECJAX_INVARIANT=1)")
   g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
   g.add_argument("--chat-template", default=None, metavar="FILE",
                  help="with --chat, render chats with this Jinja template instead of the model's own")

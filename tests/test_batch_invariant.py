@@ -238,3 +238,24 @@ def test_speculative_greedy_equals_plain_greedy_in_bf16(name, bf16_target, plain
   d_tokens, _ = _run(name, default, tmp_path)
   same = sum(a == b for a, b in zip(d_tokens, plain_greedy["default"]))
   print(f"\n[default mode, CPU, bf16] {name}: {same}/{len(PROMPTS)} prompts equal to plain greedy")
+
+
+# ----------------------------------------------------------------------------------------------
+# switching it on
+
+
+def test_load_and_batch_invariant_switch_the_mode(monkeypatch):
+  from specjax import api
+  from specjax.errors import UserError
+  tiny = LoadedModel(name="tiny", cfg=LLAMA.replace(invariant=False), params=None)
+  monkeypatch.setattr(api, "load_model", lambda name, dtype: tiny)
+  monkeypatch.delenv(api.INVARIANT_ENV, raising=False)
+  assert not api.load("tiny-path").cfg.invariant
+  assert api.load("tiny-path", invariant=True).cfg.invariant
+  monkeypatch.setenv(api.INVARIANT_ENV, "1")
+  assert api.load("tiny-path").cfg.invariant
+  assert not api.load("tiny-path", invariant=False).cfg.invariant
+  on = api.batch_invariant(tiny)
+  assert on.cfg.invariant and not api.batch_invariant(on, False).cfg.invariant and on.params is tiny.params
+  with pytest.raises(UserError, match="one device"):
+    api.batch_invariant(LoadedModel(name="tiny", cfg=tiny.cfg, params=None, mesh=object()))
