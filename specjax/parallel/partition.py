@@ -19,9 +19,23 @@ and `jax.jit` propagates them through the engine's programs (XLA's SPMD partitio
 sharded run computes what the one-device run computes, up to the order of float reductions.
 
 Note on the fused projections: `qkv_proj` is [Q | K | V] and `gate_up_proj` [gate | up] along
-their output axis, so a contiguous split over "model" does not give each device whole heads of Q,
-K and V; XLA reshards after the slice (correct, one extra collective per layer). A shard-major
-layout of the fused columns would remove it (a change to `models/layers.py` and the loaders).
+their output axis (`models/layers.py` slices them so), and a contiguous split over "model" gives a
+device whole parts (on model=2 with GQA: all of Q on one device, K and V on the other; gate on one,
+up on the other) instead of matching slices of each. The result is still correct: XLA moves the
+projected activations to where attention and the gated product need them, 5 collective-permutes
+per layer on model=2 and 12 on model=4 beside Megatron's 2 all-reduces (a compiled one-token
+forward, 8 heads / 4 KV heads). A layout independent of the mesh removes them, with every rule
+here unchanged: the fused columns grouped per KV head ([Q heads of group g | K_g | V_g] for each
+g) and gate / up interleaved per MLP unit, written so by the loader (`models/weights.py`) and read
+so by `layers.py`; a contiguous split then gives each device whole KV groups (`check_target`
+requires model to divide the KV heads) and the gate and up columns of the same units.
+tests/test_partition_layout.py checks the shard contents from the loaded weights.
+
+Note on per-row writes under "data": XLA keeps a scatter into batch-sharded state local only when
+the batch is a batching dimension of the scatter (a `jax.vmap` of the one-row update). A scatter
+that names its rows by explicit index arrays (`x.at[rows, cols].set(...)`, as `KVCache.write` and
+the history append in `engine/generation.py` are written) makes every device all-gather the
+updates and indices over "data": four all-gathers per layer and decode step for the KV cache.
 """
 
 from __future__ import annotations
