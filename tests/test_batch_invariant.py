@@ -10,6 +10,7 @@ The kernels run in Pallas interpret mode on the CPU. Properties checked, bitwise
   query inside a K+1 chain and, for a tree node, inside a tree verification whose nodes sit at
   other slots (its accepted path moved to consecutive slots for the decode), with and without a
   sliding window; close to the XLA reference;
+- the three kernels lower to Triton for CUDA (checked on the CPU through export);
 - the decoder (llama, and a gemma3-style config: tied head, QK-norm, sandwich norms, sliding
   layers): the logits of each position decoded one token at a time equal those of a K+1-token
   verification and of a tree verification (llama in bf16, gemma3 in float32);
@@ -152,6 +153,34 @@ def _windowed(mask, ragged, window, t):
   rel = slot - ragged.lengths[:, None]
   key_pos = jnp.where((rel >= 0) & (rel < t), jnp.take_along_axis(pos, jnp.clip(rel, 0, t - 1), axis=1), slot)
   return mask & ((pos[:, :, None] - key_pos[:, None, :]) < window)
+
+
+def test_kernels_lower_to_triton_for_cuda():
+  """The Triton lowering of the three kernels at SmolLM2's shapes (decode, a batch-8 K+1 chain, the
+  tied LM head, float32, a 49-node tree with a window) runs on the CPU via export."""
+  from jax import export
+  from jax._src.lib import version as jaxlib_version
+  if jaxlib_version > (0, 10, 2):
+    pytest.skip("newer jaxlibs compile Triton at lowering time, which needs a GPU")
+  sds, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+
+  def lowers(f, *args):
+    exp = export.export(jax.jit(f), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "xla.gpu.triton" in exp.mlir_module()
+
+  mm = functools.partial(im.pallas_matmul, interpret=False)
+  lowers(mm, sds((1, 1, 576), f32), sds((576, 960), bf))
+  lowers(mm, sds((8, 9, 1536), f32), sds((1536, 576), bf))
+  lowers(functools.partial(mm, transposed=True), sds((1, 1, 576), f32), sds((49152, 576), bf))
+  lowers(mm, sds((3, 576), f32), sds((576, 960), f32))
+  lowers(lambda x, w: irn.rms_norm(x, w, 1e-5, interpret=False), sds((1, 9, 576), f32), sds((576,), bf))
+  lowers(lambda x, w: irn.rms_norm(x, w, 1e-5, offset=True, interpret=False), sds((1, 9, 4, 64), f32), sds((64,), bf))
+  cache = sds((2, 1088, 3, 64), bf)
+  lowers(lambda q, k, v, n: ia.invariant_attention(q, k, v, n, None, 0.125, interpret=False),
+         sds((2, 1, 9, 64), f32), cache, cache, sds((2,), jnp.int32))
+  lowers(lambda q, k, v, n, p, m: ia.invariant_attention(q, k, v, n, p, 0.125, new_mask=m, window=512, interpret=False),
+         sds((2, 49, 9, 64), f32), cache, cache, sds((2,), jnp.int32), sds((2, 49), jnp.int32), sds((2, 49, 49), jnp.bool_))
 
 
 # ----------------------------------------------------------------------------------------------

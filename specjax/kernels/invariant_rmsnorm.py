@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from specjax.kernels import dispatch
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = 4            # rows per program: a [4, D] float32 tile stays in registers for D up to a few thousand
 
 
 def _pow2(n: int) -> int:
