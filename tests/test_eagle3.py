@@ -16,8 +16,8 @@ import pytest
 from conftest import TINY_LLAMA
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftContext, RoundResult
-from specjax.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, Eagle3TreeDrafter, build_d2t, head_module,
-                                     head_step, init_head, load_head, make_eagle3_drafter, save_head)
+from specjax.drafters.eagle3 import Eagle3Config, build_d2t, head_module, head_step, init_head, load_head, save_head
+from specjax.drafters.eagle3_drafter import Eagle3Drafter, Eagle3TreeDrafter, make_eagle3_drafter
 from specjax.engine import speculative_generate
 from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel

@@ -79,7 +79,7 @@ def _mtp(target, *, draft_model=None, draft_params=None, head=None, **opts):
 
 def _eagle3(tree: bool):
   def build(target, *, draft_model=None, draft_params=None, head=None, **opts):
-    from specjax.drafters.eagle3 import make_eagle3_drafter
+    from specjax.drafters.eagle3_drafter import make_eagle3_drafter
     return make_eagle3_drafter(target, head, draft_params, tree=tree, **opts)
   return build
 

@@ -2,7 +2,7 @@
 
 The target runs inside the loss (its taps are recomputed: a forward of a 135M target costs less
 than reading three stored [L, d_model] taps per row). Then, for every base position i of a row at
-once, the head drafts `n_steps` steps exactly as `specjax/drafters/eagle3.py` does:
+once, the head drafts `n_steps` steps exactly as `specjax/drafters/eagle3_drafter.py` does:
   step 0: the committed entries (g_i, x_{i+1}) at positions i, causal                 -> o^0_i
   step j: (o^{j-1}_i, x_{i+j+1}) at position i + j, attending to the committed entries
           at positions <= i and to its own steps 1..j at the same base i (the diagonal) -> o^j_i
