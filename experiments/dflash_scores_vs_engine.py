@@ -1,7 +1,7 @@
 """Is a DFlash drafter's gap between training scores and engine acceptance a matter of prompts or of
 inference? For the first turns of an evaluation prompt set this scores the drafter the way training
 does (tau_est and top-1 accuracy per block slot at uniformly drawn anchors of the target's own
-greedy answers: `specjax.train.dflash.score_blocks`) and runs the engine's greedy `dflash` on the
+greedy answers: `specjax.train.dflash_run.score_blocks`) and runs the engine's greedy `dflash` on the
 same prompts (tau, acceptance by position). The answers are only scored, never trained on.
 
   python experiments/dflash_scores_vs_engine.py --head assets/smollm2/dflash/dflash.safetensors \
@@ -41,7 +41,8 @@ def main(argv=None) -> dict:
   from specjax.engine.generation import PROMPT_BUCKET, round_up
   from specjax.models.load import load_model
   from specjax.engine.sampling import SamplingParams
-  from specjax.train.dflash import LossConfig, make_loss_fn, score_blocks
+  from specjax.train.dflash import LossConfig, make_loss_fn
+  from specjax.train.dflash_run import score_blocks
   from specjax.train.dflash_eval import first_turns
 
   target = load_model(a.target, dtype=jnp.dtype(a.dtype))

@@ -27,7 +27,8 @@ from specjax.models.decoder import forward, logits_from_prenorm
 from specjax.models.load import LoadedModel
 from specjax.models.kv_cache import KVCache
 from specjax.train.data import DataConfig, ShardDataset, SourceConfig, build_dataset
-from specjax.train.dflash import HeldOut, LossConfig, anchor_blocks, make_loss_fn, without_held_out
+from specjax.train.dflash import HeldOut, LossConfig, anchor_blocks, make_loss_fn
+from specjax.train.dflash_run import without_held_out
 from specjax.train.loop import TrainConfig, train
 from token_law import COLD_TEMPERATURE, N_GREEDY, STAT_PROMPT, check_token_law, decoder_law, mixed_sampling
 

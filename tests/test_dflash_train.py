@@ -18,8 +18,8 @@ from conftest import ToyTokenizer
 from specjax.drafters.dflash import DFlashConfig, init_dflash, save_dflash
 from specjax.models.load import LoadedModel
 from specjax.train.data import DataConfig, ShardDataset, SourceConfig
-from specjax.train.dflash import (DFlashTrainSpec, DrafterConfig, LossConfig, anchor_blocks, build_budgeted,
-                                  concat_taps, make_loss_fn, run_training, score_blocks, warm_start)
+from specjax.train.dflash import DFlashTrainSpec, DrafterConfig, LossConfig, anchor_blocks, concat_taps, make_loss_fn
+from specjax.train.dflash_run import build_budgeted, run_training, score_blocks, warm_start
 from specjax.train.loop import TrainConfig
 from specjax.models.decoder import forward
 from specjax.models.kv_cache import KVCache

@@ -183,7 +183,8 @@ def cmd_dflash(args) -> int:
   import jax.numpy as jnp
 
   from specjax.models.load import load_model
-  from specjax.train.dflash import build_budgeted, build_data, load_spec, run_training
+  from specjax.train.dflash import load_spec
+  from specjax.train.dflash_run import build_budgeted, build_data, run_training
   t_start = time.perf_counter()
   spec = load_spec(args.config, **_overrides(args), train_seconds=args.train_seconds)
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
