@@ -30,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.bench.env import device_info, git_revision  # noqa: E402
-from specjax.models.hybrid import HybridConfig, HybridTarget, hybrid_forward, init_params  # noqa: E402
+from specjax.models.hybrid import HybridTarget, hybrid_forward, init_params  # noqa: E402
+from specjax.models.hybrid_config import HybridConfig  # noqa: E402
 from specjax.models.recurrent_state import HybridState  # noqa: E402
 
 QWEN35_08B_LIKE = HybridConfig(

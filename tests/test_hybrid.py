@@ -22,7 +22,8 @@ from specjax.engine.decode import generate_plain
 from specjax.drafters.hybrid_draft_model import HybridDraftModelDrafter
 from specjax.engine import speculative_generate
 from specjax.models.gated_deltanet import gated_delta_chunked, gated_delta_recurrent
-from specjax.models.hybrid import hybrid_forward, load_hybrid, rollback_redecode
+from specjax.models.hybrid import hybrid_forward, rollback_redecode
+from specjax.models.hybrid_weights import load_hybrid
 from specjax.models.recurrent_state import HybridState, rollback_per_step
 from specjax.engine.sampling import SamplingParams
 from token_law import COLD_TEMPERATURE, STAT_NEW, STAT_PROMPT, check_token_law, exact_joint_law
@@ -106,7 +107,8 @@ def test_config_and_weights_load(hf_ckpt):
   multimodal "qwen3_5" wrapper; the loader ignores the MTP head and vision tower and refuses
   tensors it has no place for."""
   from specjax.io.safetensors import load_safetensors_dir
-  from specjax.models.hybrid import hybrid_config_from_hf, is_hybrid_hf_config, params_from_hf
+  from specjax.models.hybrid_config import hybrid_config_from_hf, is_hybrid_hf_config
+  from specjax.models.hybrid_weights import params_from_hf
   _, cfg, params, path = hf_ckpt
   assert cfg.layer_types == ("linear", "full", "linear") and cfg.rotary_dim == 4
   assert (cfg.lin_k_heads, cfg.lin_v_heads, cfg.conv_dim) == (2, 4, 2 * 16 + 32)

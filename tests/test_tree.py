@@ -17,7 +17,7 @@ from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
 from specjax.engine import RoundInputs, RoundSpec, speculative_generate, verify_tree
 from specjax.engine.generation import GenState
 from specjax.models.decoder import forward
-from specjax.models.hybrid import HybridConfig
+from specjax.models.hybrid_config import HybridConfig
 from specjax.engine.sampling import SamplingParams, init_keys
 from specjax.models.kv_cache import KVCache
 from specjax.engine.tree import TreeDraft, accept_tree, tree_shape

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.decoder import DecoderTarget
-from specjax.models.hybrid import HybridConfig, HybridState, HybridTarget
+from specjax.models.hybrid import HybridTarget
+from specjax.models.hybrid_config import HybridConfig
+from specjax.models.recurrent_state import HybridState
 from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
 from specjax.models.kv_cache import KVCache, CacheOverflowError
 

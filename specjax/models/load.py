@@ -16,7 +16,7 @@ from specjax.models.weights import params_from_hf
 class LoadedModel:
   """A model ready to run: static config, parameter pytree, and (when known) its tokenizer."""
   name: str
-  cfg: ModelConfig          # or a HybridConfig (specjax.models.hybrid) for hybrid targets
+  cfg: ModelConfig          # or a HybridConfig (specjax.models.hybrid_config) for hybrid targets
   params: Any
   tokenizer: Any = None
   source: str = ""
@@ -58,10 +58,10 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
       tokenizer = Tokenizer.from_gguf(reader)
   else:
     raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
-  from specjax.models import hybrid
-  if hybrid.is_hybrid_hf_config(hf):     # attention + gated DeltaNet (Qwen3.5)
-    cfg = hybrid.hybrid_config_from_hf(hf)
-    params = hybrid.params_from_hf(cfg, tensors, dtype=dtype)
+  from specjax.models import hybrid_config, hybrid_weights
+  if hybrid_config.is_hybrid_hf_config(hf):     # attention + gated DeltaNet (Qwen3.5)
+    cfg = hybrid_config.hybrid_config_from_hf(hf)
+    params = hybrid_weights.params_from_hf(cfg, tensors, dtype=dtype)
   else:
     cfg = from_hf_config(hf)
     params = params_from_hf(cfg, tensors, dtype=dtype)
