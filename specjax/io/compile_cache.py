@@ -24,7 +24,7 @@ def cache_dir() -> Path | None:
     return None
   if os.environ.get("SPECJAX_COMPILE_CACHE_DIR"):
     return Path(os.environ["SPECJAX_COMPILE_CACHE_DIR"])
-  from specjax.io.fetch import specjax_home
+  from specjax.io.file_cache import specjax_home
   return specjax_home() / "jax_cache"
 
 

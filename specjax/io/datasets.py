@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from specjax.io import fetch as _fetch
+from specjax.io import file_cache
 from specjax.io.fetch import FetchError
 
 
@@ -85,7 +86,7 @@ class NotAvailable(FetchError, FileNotFoundError):
 
 def data_dir() -> Path:
   """Where fetched data files are cached."""
-  return _fetch.specjax_home() / "data"
+  return file_cache.specjax_home() / "data"
 
 
 def data_path(name: str) -> Path:
@@ -116,7 +117,7 @@ def fetch(name: str, *, force: bool = False, progress: bool = True) -> Path:
   if src.prompts is None:
     return path
   derived = path.with_name(src.prompts)
-  if force or not _fetch.is_verified(derived):
+  if force or not file_cache.is_verified(derived):
     _derive_prompts(path, derived)
   return derived
 
@@ -146,7 +147,7 @@ def chats_file(name: str, *, progress: bool = True) -> Path:
     return Path(folder) / src.chats
   fetch(name, progress=progress)
   out = data_path(name).with_name(src.chats)
-  if not _fetch.is_verified(out):
+  if not file_cache.is_verified(out):
     _derive_chats(data_path(name), out, progress=progress)
   return out
 
@@ -154,15 +155,15 @@ def chats_file(name: str, *, progress: bool = True) -> Path:
 def _derive_chats(source: Path, out: Path, *, progress: bool) -> None:
   """Write each element of the JSON array `source` as one line of `out` (atomically, stamped)."""
   from tqdm.auto import tqdm
-  with _fetch.temp_folder(out.parent) as tmp:
+  with file_cache.temp_folder(out.parent) as tmp:
     part = tmp / out.name
     with open(part, "w", encoding="utf-8") as f:
       for conversation in tqdm(iter_json_array(source), desc=f"conversations -> {out.name}", unit="conv",
                                disable=not progress, dynamic_ncols=True):
         f.write(json.dumps(conversation, ensure_ascii=False) + "\n")
-    digest = _fetch.sha256_of(part)
+    digest = file_cache.sha256_of(part)
     os.replace(part, out)
-    _fetch.write_stamp(out, digest)
+    file_cache.write_stamp(out, digest)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,13 +214,13 @@ def sharegpt_prompt(conversation: dict) -> dict | None:
 
 def _derive_prompts(source: Path, out: Path) -> None:
   """Write the ShareGPT prompt set of `source` to `out` (atomically, stamped with its checksum)."""
-  with _fetch.temp_folder(out.parent) as tmp:
+  with file_cache.temp_folder(out.parent) as tmp:
     part = tmp / out.name
     with open(part, "w", encoding="utf-8") as f:
       for conversation in iter_json_array(source):
         row = sharegpt_prompt(conversation)
         if row is not None:
           f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    digest = _fetch.sha256_of(part)
+    digest = file_cache.sha256_of(part)
     os.replace(part, out)
-    _fetch.write_stamp(out, digest)
+    file_cache.write_stamp(out, digest)
