@@ -51,8 +51,8 @@ METHODS = {
     "plain": None,
     "ngram_simple": ("ngram_simple", None, {"n_max": 8, "n_min": 1}, {"size_n": 3, "size_m": 16}),
     "mtp": ("mtp", HEADS / "mtp" / "mtp_head.safetensors", {"n_max": 3}, None),
-    "eagle3_tree": ("eagle3_tree", HEADS / "eagle3" / "eagle3_head.safetensors", {"n_max": 48}, None),
-    "dflash_tree": ("dflash_tree", HEADS / "dflash" / "dflash.safetensors", {"n_max": 32}, None),
+    "eagle3_tree": ("eagle3_tree", HEADS / "eagle3" / "eagle3_head.safetensors", {}, {"n_nodes": 48}),
+    "dflash_tree": ("dflash_tree", HEADS / "dflash" / "dflash.safetensors", {}, {"n_nodes": 32}),
 }
 MODES = ("invariant", "default")
 CHECK_LEN = 8                         # continuation tokens compared in the self-check

@@ -127,8 +127,10 @@ def generate(target: LoadedModel, prompts: Sequence[str | list[int]], *, specula
   adaptive: per-sequence draft lengths from running acceptance and a verification width chosen by
   measured cost (`specjax.engine.adaptive`); n_max is then the upper bound.
   parse_special: with `chat`, parse control-token strings inside the prompts (default: text).
-  options: the speculator's options (`specjax speculators` lists them), e.g. {"size_n": 3}; for a
-  chain, per member: {"ngram_simple": {...}, "suffix": {...}}.
+  draft_params: n_max / n_min / p_min, scalars or per prompt (`DraftParams`); a tree's n_max caps
+  the depth of the nodes it verifies, its node budget is its `n_nodes` option.
+  options: the speculator's options (`specjax speculators` lists them), e.g. {"size_n": 3} or, for a
+  tree, {"n_nodes": 48}; for a chain, per member: {"ngram_simple": {...}, "suffix": {...}}.
 
   Every argument is checked before anything compiles; a bad one raises `UserError` naming it."""
   prompts = request.prompt_list(prompts)

@@ -268,7 +268,8 @@ def main(argv=None) -> int:
   g.add_argument("--adaptive", action="store_true", default=None,
                  help="adaptive drafting: draft lengths follow running acceptance, back off when verification costs more")
   g.add_argument("--n-max", type=_csv(int), default=None,
-                 help="longest draft, or a tree's node budget (default 8; per prompt: comma-separated)")
+                 help="longest draft; for a tree, its deepest node (its node budget is the n_nodes option of "
+                      "--spec-config) (default 8; per prompt: comma-separated)")
   g.add_argument("--n-min", type=_csv(int), default=None, help="shorter drafts are not verified (default 0)")
   g.add_argument("--p-min", type=_csv(float), default=None,
                  help="model drafters stop below this top-1 probability (default 0)")

@@ -15,7 +15,8 @@ import pytest
 from specjax.engine.decode import generate_plain
 from specjax.drafters.base import DraftParams
 from specjax.drafters.dflash import DFlashDrafter, concat_taps, init_dflash, save_dflash
-from specjax.drafters.dflash_tree import DFlashTreeDrafter, best_first_tree, n_candidates
+from specjax.drafters.dflash_tree import DFlashTreeDrafter, best_first_tree
+from specjax.engine.tree import n_candidates
 from specjax.drafters.registry import ALL, make_speculator
 from specjax.engine import speculative_generate
 from specjax.models.decoder import logits_from_prenorm
@@ -115,8 +116,9 @@ def test_tied_scores_keep_the_tree_prefix_closed(budget):
 
 
 def test_registry_and_limits(tiny_llama, tmp_path):
-  """`dflash_tree` loads a saved drafter through the registry with the node budget n_max and the
-  options depth / top_k / block_size; depth past block_size - 1 and a budget past the candidates
+  """`dflash_tree` loads a saved drafter through the registry with the options n_nodes (the node
+  budget; by default min(32, the candidates), whatever n_max, which caps the depth at verification),
+  depth / top_k / block_size; depth past block_size - 1 and a budget past the candidates
   are refused with what to change (without --head: for SmolLM2, the committed heads are named);
   the chain's logits are the first max_draft positions of the pass."""
   cfg, params = tiny_llama
@@ -124,16 +126,17 @@ def test_registry_and_limits(tiny_llama, tmp_path):
   dp = init_dflash(cfg, DC, seed=3, target_params=params)
   w, _ = save_dflash(tmp_path / "dflash.safetensors", dp, cfg, DC)
   target = LoadedModel(name="t", cfg=cfg, params=params)
-  make = lambda n_max, **opts: make_speculator("dflash_tree", target, head=str(w), draft_params=DraftParams(n_max=n_max),
-                                               options={"dflash_tree": opts})
-  d = make(20, depth=3, top_k=4)
+  make = lambda **opts: make_speculator("dflash_tree", target, head=str(w), draft_params=DraftParams(n_max=2),
+                                        options={"dflash_tree": opts})
+  d = make(n_nodes=20, depth=3, top_k=4)
   assert isinstance(d, DFlashTreeDrafter) and d.proposes_tree and d.name == "dflash_tree"
   assert (d.max_draft, d.max_depth, d.top_k, d.taps) == (20, 3, 4, (0, 1))
-  assert make(10, depth=5, top_k=2, block_size=6).max_depth == 5
+  assert make(depth=3, top_k=4).max_draft == 32 and make(depth=3, top_k=2).max_draft == 10
+  assert make(depth=5, top_k=2, block_size=6).max_depth == 5
   with pytest.raises(ValueError, match=r"depth 4 must be in \[1, block_size - 1 = 3\]"):
-    make(10, depth=4, top_k=4)
-  with pytest.raises(ValueError, match=r"node budget n_max 37 must be in \[1, 36\]"):
-    make(37, depth=3, top_k=4)
+    make(depth=4, top_k=4)
+  with pytest.raises(ValueError, match=r"node budget n_nodes 37 must be in \[1, 36\]"):
+    make(n_nodes=37, depth=3, top_k=4)
   with pytest.raises(ValueError, match=r"needs a trained DFlash drafter \(--head PATH\)$"):
     make_speculator("dflash_tree", target, draft_params=DraftParams(n_max=8))
   # for SmolLM2 the error names the committed heads (they are in this checkout)
@@ -192,14 +195,14 @@ def test_greedy_rounds_replay_from_training_blocks(tiny_llama, trained):
 
 
 def test_greedy_is_lossless_batch_1(tiny_llama, trained):
-  """One prompt alone, a 6-node budget per sequence below the drafter's 10 (the first 6 nodes in
-  topological order): plain decoding's tokens, with paths of length >= 2 accepted."""
+  """One prompt alone with n_max 2, below the drafter's depth 3 (nodes deeper than 2 are not
+  verified): plain decoding's tokens, with paths of length 2 accepted and none longer."""
   cfg, params = tiny_llama
   d = _tree_drafter(cfg, params, trained)
-  spec = speculative_generate(params, cfg, [PROMPTS3[1]], d, max_new_tokens=MAX_NEW, draft_params=DraftParams(n_max=6))
+  spec = speculative_generate(params, cfg, [PROMPTS3[1]], d, max_new_tokens=MAX_NEW, draft_params=DraftParams(n_max=2))
   assert spec.tokens == generate_plain(params, cfg, [PROMPTS3[1]], max_new_tokens=MAX_NEW).tokens
   st = spec.stats
-  assert st.accepted_by_pos[1] > 0 and st.rounds < MAX_NEW, st.format()
+  assert st.accepted_by_pos[1] > 0 and st.accepted_by_pos[2] == 0 and st.rounds < MAX_NEW, st.format()
 
 
 def test_sampling_keeps_the_token_law(tiny_llama, trained):

@@ -154,10 +154,16 @@ def test_save_load_roundtrip(tiny_llama, tmp_path):
     load_head(w, cfg.replace(d_model=48))
   target = LoadedModel(name="t", cfg=cfg, params=params)
   chain = make_speculator("eagle3", target, head=str(w), draft_params=DraftParams(n_max=3))
-  tree = make_speculator("eagle3_tree", target, head=str(w), draft_params=DraftParams(n_max=9),
-                         options={"eagle3_tree": {"depth": 2, "top_k": 3}})
+  tree = make_speculator("eagle3_tree", target, head=str(w), draft_params=DraftParams(n_max=3),
+                         options={"eagle3_tree": {"depth": 2, "top_k": 3, "n_nodes": 9}})
   assert (type(chain), chain.max_draft, type(tree), tree.max_draft, tree.depth) == (Eagle3Drafter, 3, Eagle3TreeDrafter, 9, 2)
   assert tree.proposes_tree and not getattr(chain, "proposes_tree", False)
+  # the node budget is the n_nodes option (n_max is a depth cap): by default min(32, the 3 + 3 * 3 candidates)
+  default = make_speculator("eagle3_tree", target, head=str(w), draft_params=DraftParams(n_max=3),
+                            options={"eagle3_tree": {"depth": 2, "top_k": 3}})
+  assert default.max_draft == 12
+  with pytest.raises(ValueError, match=r"node budget n_nodes 13 must be in \[1, 12\]"):
+    make_speculator("eagle3_tree", target, head=str(w), options={"eagle3_tree": {"depth": 2, "top_k": 3, "n_nodes": 13}})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,17 +307,18 @@ def test_training_time_test_scores_every_tree_node(tiny_llama):
   """Every node of a drafted tree scores the cumulative log-probability that the training-time test
   gives its root path (so each node's entry saw exactly its ancestors); the tree is topological,
   ancestor-closed, at most `depth` deep; children score below their parents; its greedy path is (a
-  prefix of) the chain drafter's draft; n_max cuts the node count."""
+  prefix of) the chain drafter's draft; every sequence gets the whole node budget, none where
+  n_max is 0 (n_max caps the depth at verification)."""
   cfg, params = tiny_llama
   hp = init_head(_hc(), 6)
   tree, chain = _tree(params, hp), _chain(params, hp, k=TREE["depth"])
   prompt, last = [9, 2, 6, 5, 3, 5, 8], 1
   toks, lens, taps = _prefill(params, [prompt] * B)
   st = _jit_init(tree, tree.params(), toks, lens, taps, W)
-  ctx = _ctx([prompt + [last]] * B, [len(prompt)] * B, n_max=[TREE_NODES] * 4 + [0, 3, 7, 10])
+  ctx = _ctx([prompt + [last]] * B, [len(prompt)] * B, n_max=[TREE_NODES] * 4 + [0, 1, 2, 10])
   tokens, parents, n_nodes, scores = (np.asarray(x) for x in _jit_tree(tree, tree.params(), st, ctx)[:4])
   tokens, parents, scores = tokens[0], parents[0], scores[0]
-  assert np.asarray(n_nodes).tolist() == [TREE_NODES] * 4 + [0, 3, 7, 10]
+  assert np.asarray(n_nodes).tolist() == [TREE_NODES] * 4 + [0] + [TREE_NODES] * 3
   paths = []
   for i, par in enumerate(parents):
     assert -1 <= par < i

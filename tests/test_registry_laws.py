@@ -8,6 +8,8 @@ random head, a draft model or small options for a random tiny target) and checke
   (all produced by speculative rounds: position 0 comes from the prefill) over 512 sequences with
   distinct seeds matches plain sampling's (chi-square test of homogeneity, p >= 1e-4; the seeds are
   fixed, so the outcome is deterministic).
+- Trees: the `n_nodes` option is the node budget every round verifies, and n_max caps the depth of
+  the nodes verified; the output stays plain greedy decoding's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from specjax.models.load import LoadedModel
 EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "corpus_drafter.py"
 PROMPTS = [[1, 5, 9, 3, 5, 9, 3, 5], [2, 4, 6, 2, 4], [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 MAX_NEW = 16
-N_MAX, TREE_NODES = 4, 6
+N_MAX = 4
 N_SAMPLED, SAMPLED_NEW = 512, 4
 
 
@@ -59,9 +61,13 @@ def target(tmp_path_factory):
 
 def _build(name: str, target, workdir: Path):
   spec = speculator_spec.get(name)
-  dp = DraftParams(n_max=TREE_NODES if spec.tree else N_MAX)
+  dp = DraftParams(n_max=N_MAX)
   kwargs = spec.example(target, workdir) if spec.example is not None else {}
   return spec.build(target, draft_params=dp, **kwargs), dp
+
+
+def _tree_names() -> list[str]:
+  return [n for n in _names() if speculator_spec.get(n).tree and "n_nodes" in speculator_spec.get(n).option_names]
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +103,24 @@ def test_sampled_output_follows_the_target_distribution(name, target, plain_samp
     b = np.bincount(plain_sampled[:, pos], minlength=v)
     stat, df, p = chi2_two_sample(a, b)
     assert p >= 1e-4, f"{name}: position {pos} differs from plain sampling (chi2 {stat:.1f}, df {df}, p {p:.2g})"
+
+
+@pytest.mark.parametrize("name", _tree_names())
+def test_tree_node_budget_is_its_option_and_n_max_its_depth(name, target, plain_greedy, tmp_path):
+  """Built with `n_nodes` 4 (below the example trees' 6 candidates), every live round verifies
+  exactly 4 nodes per sequence; with n_max 1 only the root's children are verified (nothing past
+  depth 1 drafted or accepted). Both outputs are plain greedy decoding's."""
+  spec = speculator_spec.get(name)
+  kwargs = {**(spec.example(target, tmp_path) if spec.example is not None else {}), "n_nodes": 4}
+  drafter = spec.build(target, draft_params=DraftParams(n_max=N_MAX), **kwargs)
+  assert drafter.max_draft == 4
+  out = speculative_generate(target.params, target.cfg, PROMPTS, drafter, max_new_tokens=MAX_NEW,
+                             draft_params=DraftParams(n_max=N_MAX))
+  assert out.tokens == plain_greedy
+  assert out.stats.per_seq_gen_tokens == [4 * r for r in out.stats.per_seq_rounds]
+  shallow = speculative_generate(target.params, target.cfg, PROMPTS, drafter, max_new_tokens=MAX_NEW,
+                                 draft_params=DraftParams(n_max=1))
+  assert shallow.tokens == plain_greedy
+  st = shallow.stats
+  assert sum(st.drafted_by_pos[1:]) == sum(st.accepted_by_pos[1:]) == 0 and st.drafted_by_pos[0] > 0
+  assert all(g <= 4 * r for g, r in zip(st.per_seq_gen_tokens, st.per_seq_rounds))

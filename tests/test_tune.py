@@ -127,6 +127,19 @@ def test_adaptive_drafting_is_a_searched_dimension():
   assert not any(m.adaptive for m in tune.sample_candidates(tiny_config(seed=5).tune, 8))
 
 
+def test_a_trees_node_budget_is_a_searched_option():
+  """A tree speculator's node budget is its `n_nodes` option, searched like any option (n_max stays
+  the draft-parameter dimension: the tree's depth cap); a bad value names the option."""
+  t = tiny_config(seed=2, speculators={"eagle3_tree": {"head": ["h.safetensors"], "n_nodes": [16, 48],
+                                                       "depth": [6]}}, chains={"members": []}).tune
+  drawn = tune.sample_candidates(t, 6)
+  assert {m.options["n_nodes"] for m in drawn} == {16, 48} and all(m.speculator == "eagle3_tree" for m in drawn)
+  assert all("n_nodes=" in tune.method_label(m) for m in drawn)
+  with pytest.raises(ConfigError, match=r"unknown option 'nodes'.*n_nodes"):
+    tune.tune_config_from_dict({"name": "x", "tune": {"speculators": {"eagle3_tree": {"head": ["h"],
+                                                                                      "nodes": [16]}}}})
+
+
 def test_split_is_stratified_disjoint_and_seeded(prompt_data):
   qs = load_prompt_set("mt_bench", limit=40)      # tests/conftest.py's tiny set: 8 categories x 5
   tune_qs, hold = tune.split_questions(qs, 0.5, seed=0)

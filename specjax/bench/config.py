@@ -196,6 +196,20 @@ def _check_method(i: int, m: MethodConfig, seen: set) -> None:
     raise ConfigError(f"{where}.{key} ({m.name}): {e}") from None
 
 
+def verify_width(m: MethodConfig) -> int:
+  """Draft tokens a round of method `m` may verify: its n_max, or a tree's node budget (its `n_nodes`
+  option; the default budget, at most `DEFAULT_NODES`, when it is not given)."""
+  from specjax.drafters import speculator_spec
+  from specjax.engine.tree import DEFAULT_NODES
+  name = m.speculator.strip() if isinstance(m.speculator, str) else None
+  if name not in speculator_spec.names() or not speculator_spec.get(name).tree:
+    return m.draft_params.n_max
+  opts = m.options if isinstance(m.options, dict) else {}
+  opts = opts[name] if isinstance(opts.get(name), dict) else opts        # {name: {...}} or flat
+  n_nodes = opts.get("n_nodes")
+  return n_nodes if isinstance(n_nodes, int) and n_nodes > 0 else DEFAULT_NODES
+
+
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
   """Every check that needs no model, each error naming its key."""
   if not cfg.name.strip() or "/" in cfg.name or "\\" in cfg.name:
@@ -223,12 +237,13 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
       raise ConfigError(f"mesh: {str(e).removeprefix('mesh: ')}") from None
     if cfg.batch_size % data:
       raise ConfigError(f"mesh: the data axis ({data}) must divide batch_size ({cfg.batch_size})")
-  widest = max([m.draft_params.n_max for m in cfg.methods] + [0])
+  widest = max([verify_width(m) for m in cfg.methods] + [0])
   capacity = DEFAULT_CAPACITY if cfg.capacity is None else cfg.capacity
   if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:
     raise ConfigError(f"{'capacity' if cfg.capacity is not None else 'max_new_tokens'}: the KV cache "
                       f"({capacity} slots{'' if cfg.capacity is not None else ', the default capacity'}) must hold "
-                      f"the prompt + max_new_tokens ({cfg.max_new_tokens}) + the widest draft (n_max {widest}) + 1")
+                      f"the prompt + max_new_tokens ({cfg.max_new_tokens}) + the widest draft ({widest}: n_max, or "
+                      f"a tree's n_nodes) + 1")
   s = cfg.sampling
   if not (_finite(s.temperature) and s.temperature >= 0):
     raise ConfigError(f"sampling.temperature: must be a finite number >= 0, got {s.temperature!r}")

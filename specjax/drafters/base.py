@@ -38,7 +38,8 @@ class DraftContext:
   history: jax.Array                # [B, H] prompt + generated tokens
   hist_len: jax.Array               # [B]
   target_len: jax.Array             # [B] committed target cache length (= position of `last`)
-  n_max: jax.Array                  # [B] per-sequence draft budget (<= drafter.max_draft; 0 once done)
+  n_max: jax.Array                  # [B] per-sequence longest draft (chains: tokens, <= drafter.max_draft;
+                                    # trees: the deepest node verified); 0 once done
   p_min: jax.Array                  # [B] per-sequence confidence floor for model drafters
   temperature: jax.Array            # [B] sampling temperature of the sequence
 
@@ -74,7 +75,7 @@ class Drafter:
   commit_free: ClassVar[bool] = False
   replayable: ClassVar[bool] = False
   cross_request_memory: ClassVar[bool] = False
-  max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget)
+  max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget `n_nodes`)
 
 
 class DeviceDrafter(Drafter):
@@ -136,17 +137,23 @@ def check_drafter(drafter) -> Drafter:
 
 @dataclasses.dataclass(frozen=True)
 class DraftParams:
-  """Per-sequence draft parameters as llama.cpp names them; scalars or per-sequence lists."""
+  """Per-sequence draft parameters as llama.cpp names them; scalars or per-sequence lists.
+
+  n_max: the longest draft (a tree: the depth of its deepest verified node; its node budget is the
+  tree speculator's `n_nodes` option); n_min: shorter drafts (shallower trees) are not verified;
+  p_min: model drafters stop before a token they are less sure of."""
   n_max: Any = 8
   n_min: Any = 0
   p_min: Any = 0.0
 
-  def arrays(self, batch: int, max_draft: int) -> dict[str, np.ndarray]:
+  def arrays(self, batch: int, max_draft: int | None) -> dict[str, np.ndarray]:
+    """The per-sequence arrays [B]; n_max checked against the drafter's `max_draft` (None: no bound,
+    for trees, where an n_max past the tree's depth cuts nothing)."""
     arr = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (batch,)).copy()
     n_max, n_min, p_min = arr(self.n_max, np.int32), arr(self.n_min, np.int32), arr(self.p_min, np.float32)
     if (n_max < 0).any():
       raise UserError(f"n_max must be >= 0 (0 = no drafting), got {n_max}")
-    if (n_max > max_draft).any():
+    if max_draft is not None and (n_max > max_draft).any():
       raise UserError(f"n_max must be at most {max_draft} for this drafter, got {n_max}")
     if (n_min < 0).any() or (n_min > n_max).any():
       raise UserError(f"n_min must be in [0, n_max], got n_min={n_min}, n_max={n_max}")

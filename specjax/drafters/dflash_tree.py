@@ -10,9 +10,10 @@ same marginal of the next position):
   level l > 1   the frontier (the top_k best paths of level l-1) x the top_k tokens of q_l,
                 scored by the path's summed log-probability;
 
-then the best `max_draft` nodes of all levels. Scores only fall along a path and a parent sits
-before its children in the pool (ties go to the lower index), so the chosen nodes are closed
-under taking prefixes: a tree. Nodes are put in topological order and their parents remapped.
+then the best `n_nodes` nodes of all levels (the node budget, the drafter's `max_draft`). Scores
+only fall along a path and a parent sits before its children in the pool (ties go to the lower
+index), so the chosen nodes are closed under taking prefixes: a tree. Nodes are put in topological
+order and their parents remapped.
 
 The candidates are a function of the context only (no sampling), so they go to verification with
 q = None (one-hot): lossless for greedy and for sampled targets (`specjax/engine/tree.py`). `commit` is
@@ -26,17 +27,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.drafters.base import DraftContext
 from specjax.drafters.dflash import DFlashDrafter, DFlashState, drafter_for_target
 from specjax.engine.sampling import split_keys
-from specjax.engine.tree import TreeDraft, best_nodes
-
-
-def n_candidates(depth: int, top_k: int) -> int:
-  """Nodes of the pool the budget is taken from: top_k at level 1, top_k^2 at every later level."""
-  return top_k + (depth - 1) * top_k * top_k
+from specjax.engine.tree import TreeDraft, best_nodes, n_candidates, node_budget
 
 
 def best_first_tree(level_logprobs: jax.Array, top_k: int, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,9 +62,9 @@ def best_first_tree(level_logprobs: jax.Array, top_k: int, budget: int) -> tuple
 @dataclasses.dataclass(frozen=True)
 class DFlashTreeDrafter(DFlashDrafter):
   """A DFlash drafter whose pass drafts a best-first tree: `depth` levels (<= block_size - 1),
-  `top_k` children per expanded node, the best `max_draft` candidates (the node budget). The
-  per-sequence n_max keeps the first n_max nodes in topological order (still a tree); p_min is
-  not used."""
+  `top_k` children per expanded node, the best `max_draft` candidates (the node budget, the
+  speculator's `n_nodes` option). A sequence's n_max caps the depth verified (`verify_tree`); p_min
+  is not used."""
   max_draft: int = 32             # node budget
   depth: int = 8
   top_k: int = 8
@@ -83,7 +78,7 @@ class DFlashTreeDrafter(DFlashDrafter):
     if not 1 <= self.top_k <= self.cfg.vocab_size:
       raise ValueError(f"top_k must be in [1, vocab size {self.cfg.vocab_size}], got {self.top_k}")
     if not 1 <= self.max_draft <= n_candidates(self.depth, self.top_k):
-      raise ValueError(f"node budget n_max {self.max_draft} must be in [1, {n_candidates(self.depth, self.top_k)}], "
+      raise ValueError(f"node budget n_nodes {self.max_draft} must be in [1, {n_candidates(self.depth, self.top_k)}], "
                        f"the candidates of depth {self.depth}, top_k {self.top_k} (top_k + (depth - 1) * top_k^2)")
 
   @property
@@ -96,20 +91,18 @@ class DFlashTreeDrafter(DFlashDrafter):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # [B, D, V]
     tokens, parents, _ = best_first_tree(logp, self.top_k, self.max_draft)          # [B, T] x2
     keys, _ = split_keys(dstate.keys)                                               # the sampler stream moves as the chain's
-    n_nodes = jnp.clip(ctx.n_max, 0, self.max_draft).astype(jnp.int32)
+    n_nodes = jnp.where(ctx.n_max > 0, self.max_draft, 0).astype(jnp.int32)     # [B] 0: no drafting
     return (TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes),
             dataclasses.replace(dstate, keys=keys, base=ctx.target_len))
 
 
 def make_dflash_tree_drafter(target, head, draft_params=None, *, depth: int = 8, top_k: int = 8,
-                             block_size: int | None = None, window: int | None = None,
+                             n_nodes: int | None = None, block_size: int | None = None, window: int | None = None,
                              seed: int = 0) -> DFlashTreeDrafter:
   """The `dflash_tree` speculator for a loaded target and a trained DFlash drafter (path, or
-  (params, config)). Node budget = the largest n_max of `draft_params` (default min(32, the
-  candidates)); `block_size` and `window` override the trained ones."""
+  (params, config)). Node budget `n_nodes` (default min(32, the candidates)); `draft_params`' n_max
+  caps the depth per sequence at verification, not the budget; `block_size` and `window` override
+  the trained ones."""
   dparams, dc = drafter_for_target(target, head, block_size=block_size, window=window)
-  budget = min(32, n_candidates(depth, top_k))
-  if draft_params is not None:
-    budget = int(np.max(np.asarray(draft_params.n_max)))
-  return DFlashTreeDrafter(cfg=target.cfg, dc=dc, max_draft=budget, depth=depth, top_k=top_k, seed=seed,
-                           weights={"dflash": dparams, "target": target.params})
+  return DFlashTreeDrafter(cfg=target.cfg, dc=dc, max_draft=node_budget(n_nodes, depth, top_k), depth=depth,
+                           top_k=top_k, seed=seed, weights={"dflash": dparams, "target": target.params})

@@ -3,7 +3,9 @@
 Layout (static): level 1 holds the draft model's top-k tokens after `last`; every deeper level
 expands the `width` nodes of the level above with the highest cumulative log-probability, each
 into its own top-k tokens. With k = top_k, w = width, D = depth the tree has
-k + sum_{d=2..D} min(w, n_{d-1}) * k nodes, in level order (parents before children).
+k + sum_{d=2..D} min(w, n_{d-1}) * k nodes, in level order (parents before children); `n_nodes` (the
+node budget) keeps the first n_nodes of them (still a tree: a parent comes before its children), and
+levels past the budget are not drafted.
 
 Candidates are a deterministic function of the context, so the engine verifies them with one-hot
 q (`TreeDraft.q = None`), which is lossless at any temperature.
@@ -46,11 +48,13 @@ def level_sizes(top_k: int, width: int, depth: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelTreeDrafter(DeviceDrafter):
-  """Device tree drafter backed by a smaller model. Hashable by its static configuration."""
+  """Device tree drafter backed by a smaller model. Hashable by its static configuration. A
+  sequence's n_max caps the depth verified (`verify_tree`)."""
   cfg: ModelConfig
   depth: int = 3
   top_k: int = 2
   width: int = 2
+  n_nodes: int | None = None      # node budget: the first n_nodes of the layout (None: all of it)
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   name: str = "draft_tree"
   proposes_tree: ClassVar[bool] = True
@@ -61,10 +65,15 @@ class DraftModelTreeDrafter(DeviceDrafter):
       raise ValueError(f"depth, top_k and width must be >= 1, got {self.depth}, {self.top_k}, {self.width}")
     if self.top_k > self.cfg.vocab_size:
       raise ValueError(f"top_k {self.top_k} exceeds the vocabulary ({self.cfg.vocab_size})")
+    layout = sum(level_sizes(self.top_k, self.width, self.depth))
+    if self.n_nodes is not None and not 1 <= self.n_nodes <= layout:
+      raise ValueError(f"node budget n_nodes {self.n_nodes} must be in [1, {layout}], the nodes of depth "
+                       f"{self.depth}, top_k {self.top_k}, width {self.width}")
 
   @property
   def max_draft(self) -> int:          # node budget T
-    return sum(level_sizes(self.top_k, self.width, self.depth))
+    layout = sum(level_sizes(self.top_k, self.width, self.depth))
+    return layout if self.n_nodes is None else self.n_nodes
 
   @property
   def max_depth(self) -> int:
@@ -80,9 +89,10 @@ class DraftModelTreeDrafter(DeviceDrafter):
     return DraftTreeState(cache=cache)
 
   def propose(self, dparams, dstate: DraftTreeState, ctx: DraftContext) -> tuple[TreeDraft, DraftTreeState]:
-    b, t, k = ctx.last.shape[0], self.max_draft, self.top_k
+    b, k, kept = ctx.last.shape[0], self.top_k, self.max_draft
     sizes = level_sizes(k, self.width, self.depth)
     starts = [sum(sizes[:d]) for d in range(self.depth)]
+    t = sum(sizes)                                                                  # the whole layout
     cache = dstate.cache
     # Catch up on the committed tokens the draft cache lacks: history[Ld .. Lt] (`last` included).
     missing = jnp.maximum(ctx.target_len + 1 - cache.lengths, 0)                    # [B] in 0..depth+1
@@ -99,6 +109,8 @@ class DraftModelTreeDrafter(DeviceDrafter):
     slot_depth = jnp.concatenate([jnp.full((n,), d + 1, jnp.int32) for d, n in enumerate(sizes)])   # [T] static
     positions = ctx.target_len[:, None] + slot_depth[None, :]                       # [B, T]
     for d in range(1, self.depth):
+      if starts[d] >= kept:                                                         # past the node budget
+        break
       prev, n_prev = starts[d - 1], sizes[d - 1]
       shape = tree_shape(parents, jnp.full((b,), t, jnp.int32))
       mask = shape.ancestors                                                        # [B, T, T]
@@ -112,8 +124,9 @@ class DraftModelTreeDrafter(DeviceDrafter):
       tokens = tokens.at[:, start:start + sizes[d]].set(child_tok.reshape(b, -1))
       parents = parents.at[:, start:start + sizes[d]].set(jnp.repeat(prev + best, k, axis=1))
       score = score.at[:, start:start + sizes[d]].set((best_score[:, :, None] + child_lp).reshape(b, -1))
-    n_nodes = jnp.minimum(ctx.n_max, t).astype(jnp.int32)
-    return TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes), DraftTreeState(cache=cache)
+    n_nodes = jnp.where(ctx.n_max > 0, kept, 0).astype(jnp.int32)                 # [B] 0: no drafting
+    return (TreeDraft(tokens=tokens[:, :kept], parents=parents[:, :kept], n_nodes=n_nodes),
+            DraftTreeState(cache=cache))
 
   def commit(self, dparams, dstate: DraftTreeState, result: RoundResult) -> DraftTreeState:
     return dstate     # the cache holds committed tokens only; `propose` catches up from the history

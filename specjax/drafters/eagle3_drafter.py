@@ -21,9 +21,9 @@ sampling stays lossless).
 Tree (`Eagle3TreeDrafter`, EAGLE-2): the root's top-k children form level 1; each further level
 expands the k best frontier nodes (by cumulative log-probability) into their top-k children, all
 k x k of which become candidates, for `depth` levels; the `max_draft` best candidates by cumulative
-log-probability form the tree (ancestor-closed: a child never scores above its parent, and ties go
-to the earlier, parent, index). Candidates are deterministic, so the tree has no q (the verifier
-treats each as one-hot: lossless under sampling).
+log-probability (the node budget, the speculator's `n_nodes` option) form the tree (ancestor-closed:
+a child never scores above its parent, and ties go to the earlier, parent, index). Candidates are
+deterministic, so the tree has no q (the verifier treats each as one-hot: lossless under sampling).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.eagle3 import Eagle3Config, head_module, head_step, load_head
 from specjax.engine.sampling import split_keys
-from specjax.engine.tree import TreeDraft, best_nodes
+from specjax.engine.tree import TreeDraft, best_nodes, n_candidates, node_budget
 from specjax.models.decoder import embed_tokens
 from specjax.models.kv_cache import KVCache
 
@@ -159,7 +159,8 @@ class Eagle3Drafter(DeviceDrafter):
 @dataclasses.dataclass(frozen=True)
 class Eagle3TreeDrafter(Eagle3Drafter):
   """EAGLE-2 dynamic trees over an EAGLE-3 head: `depth` levels, `top_k` children per expanded
-  node and k nodes expanded per level, the best `max_draft` candidates (the node budget)."""
+  node and k nodes expanded per level, the best `max_draft` candidates (the node budget, the
+  speculator's `n_nodes` option). A sequence's n_max caps the depth verified (`verify_tree`)."""
   depth: int = 6
   top_k: int = 8
   name: str = "eagle3_tree"
@@ -168,9 +169,9 @@ class Eagle3TreeDrafter(Eagle3Drafter):
   def __post_init__(self):
     if self.depth < 1 or self.top_k < 1:
       raise ValueError(f"depth and top_k must be >= 1, got depth={self.depth}, top_k={self.top_k}")
-    if self.max_draft > self.n_candidates:
-      raise ValueError(f"node budget {self.max_draft} exceeds the {self.n_candidates} candidates of depth "
-                       f"{self.depth}, top_k {self.top_k}")
+    if not 1 <= self.max_draft <= self.n_candidates:
+      raise ValueError(f"node budget n_nodes {self.max_draft} must be in [1, {self.n_candidates}], the candidates "
+                       f"of depth {self.depth}, top_k {self.top_k}")
 
   @property
   def max_depth(self) -> int:
@@ -179,7 +180,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
   @property
   def n_candidates(self) -> int:
-    return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+    return n_candidates(self.depth, self.top_k)
 
   @property
   def extra_slots(self) -> int:
@@ -224,7 +225,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
       offset += kk * kk
     pool_tok, pool_score, pool_parent = (jnp.concatenate(x, axis=1) for x in (pool_tok, pool_score, pool_parent))
     draft_ids, parents, scores = best_nodes(pool_tok, pool_score, pool_parent, t)  # [B, T] x3
-    n_nodes = jnp.clip(ctx.n_max, 0, t).astype(jnp.int32)
+    n_nodes = jnp.where(ctx.n_max > 0, t, 0).astype(jnp.int32)                    # [B] 0: no drafting
     state = dataclasses.replace(dstate, cache=cache.with_lengths(root_len), base=ctx.target_len)
     return d2t[draft_ids], parents, n_nodes, scores, state
 
@@ -234,16 +235,21 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
 
 def make_eagle3_drafter(target, head, draft_params=None, *, tree: bool = False, hc: Eagle3Config | None = None,
-                        d2t=None, **opts):
+                        d2t=None, n_nodes: int | None = None, **opts):
   """The `eagle3` (chain) or `eagle3_tree` speculator for a loaded target and a head path (or loaded
-  params, with `hc` and `d2t`). The chain's max_draft / the tree's node budget is the largest n_max
-  of `draft_params` (default 4 / 32); `opts`: depth, top_k (trees), seed."""
+  params, with `hc` and `d2t`). The chain's max_draft is the largest n_max of `draft_params` (default
+  4); the tree's node budget is `n_nodes` (default min(32, the candidates)); `opts`: depth, top_k
+  (trees), seed."""
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   if isinstance(head, (str, Path)):
     hp, d2t, hc, _ = load_head(head, target.cfg, dtype=dtype)
   else:
     hp = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), head)
   weights = {"head": hp, "d2t": jnp.asarray(d2t, jnp.int32), "target": target.params}
-  n_max = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else (32 if tree else 4)
-  cls = Eagle3TreeDrafter if tree else Eagle3Drafter
-  return cls(hc=hc, max_draft=max(n_max, 1), weights=weights, **opts)
+  if tree:
+    depth, top_k = opts.get("depth", Eagle3TreeDrafter.depth), opts.get("top_k", Eagle3TreeDrafter.top_k)
+    return Eagle3TreeDrafter(hc=hc, max_draft=node_budget(n_nodes, depth, top_k), weights=weights, **opts)
+  if n_nodes is not None:
+    raise ValueError("n_nodes is the node budget of a tree (eagle3_tree)")
+  n_max = int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else 4
+  return Eagle3Drafter(hc=hc, max_draft=max(n_max, 1), weights=weights, **opts)

@@ -145,7 +145,9 @@ _SIZE_NM = (_int("size_n", 12, "n-gram length matched at the end of the history"
             _int("size_m", 48, "tokens drafted after a match (upper bound of the draft)"))
 _DEVICE = Option("device", bool, True, "run inside the jitted loop (false: the host implementation)")
 _SEED = _int("seed", 0, "drafter sampling seed", low=0)
-_TREE = (_int("depth", 6, "tree depth (levels drafted)"), _int("top_k", 8, "children expanded per node"))
+_NODES = _int("n_nodes", None, "the tree's node budget: nodes verified per round (default: min(32, the candidates))",
+              optional=True)
+_TREE = (_int("depth", 6, "tree depth (levels drafted)"), _int("top_k", 8, "children expanded per node"), _NODES)
 _DFLASH = (_int("block_size", None, "block drafted per pass (default: as trained)", low=2, optional=True),
            _int("window", None, "target features kept (default: as trained)", optional=True), _SEED)
 
@@ -188,9 +190,10 @@ for _spec in (
                    options=(Option("unroll", bool, True, "unroll the draft loop in the program"),)),
     SpeculatorSpec("draft_tree", _draft_tree, "a draft model drafts a token tree", where="device", tree=True,
                    needs_draft_model=True, example=lambda t, w: _example_draft_model(t, w, depth=2, top_k=2),
-                   options=(_int("depth", 3, "tree depth"),
-                                                   _int("top_k", 2, "children per expanded node"),
-                                                   _int("width", 2, "nodes expanded per level"))),
+                   options=(_int("depth", 3, "tree depth"), _int("top_k", 2, "children per expanded node"),
+                            _int("width", 2, "nodes expanded per level"),
+                            _int("n_nodes", None, "the tree's node budget: the first n_nodes of its level-order "
+                                 "layout (default: all of it)", optional=True))),
     SpeculatorSpec("mtp", _mtp, "trained multi-token-prediction heads on the target's last hidden state",
                    where="device", head_format="specjax-mtp-v1", head_stem="mtp_head", example=_example_mtp,
                    options=(Option("unroll", bool, True, "unroll the heads in the program"),),
@@ -199,18 +202,18 @@ for _spec in (
                    where="device", head_format="specjax-eagle3-v1", head_stem="eagle3_head", options=(_SEED,),
                    example=_example_eagle3,
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
-    SpeculatorSpec("eagle3_tree", _eagle3(True), "an EAGLE-3 head drafts an EAGLE-2 tree (n_max nodes)",
+    SpeculatorSpec("eagle3_tree", _eagle3(True), "an EAGLE-3 head drafts an EAGLE-2 tree (n_nodes nodes)",
                    where="device", tree=True, head_format="specjax-eagle3-v1", head_stem="eagle3_head",
-                   options=_TREE + (_SEED,), example=lambda t, w: _example_eagle3(t, w, depth=2, top_k=2),
+                   options=_TREE + (_SEED,), example=lambda t, w: _example_eagle3(t, w, depth=2, top_k=2, n_nodes=6),
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["eagle3"]}),
     SpeculatorSpec("dflash", _dflash, "a DFlash block drafter drafts a whole block in one pass", where="device",
                    head_format="specjax-dflash-v1", head_stem="dflash", options=_DFLASH, example=_example_dflash,
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
-    SpeculatorSpec("dflash_tree", _dflash_tree, "one DFlash pass drafts a best-first tree (n_max nodes)",
+    SpeculatorSpec("dflash_tree", _dflash_tree, "one DFlash pass drafts a best-first tree (n_nodes nodes)",
                    where="device", tree=True, head_format="specjax-dflash-v1", head_stem="dflash",
                    options=(_int("depth", 8, "tree depth (<= block_size - 1)"),
-                            _int("top_k", 8, "children per expanded node")) + _DFLASH,
-                   example=lambda t, w: _example_dflash(t, w, depth=2, top_k=2),
+                            _int("top_k", 8, "children per expanded node"), _NODES) + _DFLASH,
+                   example=lambda t, w: _example_dflash(t, w, depth=2, top_k=2, n_nodes=6),
                    committed_heads={"smollm2-135m-instruct": COMMITTED_HEADS["smollm2-135m-instruct"]["dflash"]}),
 ):
   register_speculator(_spec)
@@ -318,7 +321,7 @@ def make_draft_model_drafter(target, draft_model, draft_params=None, **opts):
 
 
 def make_draft_tree_speculator(target, draft_model, **opts):
-  """`draft_tree`: the draft model drafts a token tree (options depth, top_k, width)."""
+  """`draft_tree`: the draft model drafts a token tree (options depth, top_k, width, n_nodes)."""
   from specjax.drafters.draft_model_tree import DraftModelTreeDrafter
   plain = make_draft_model_drafter(target, draft_model)          # loads the model and checks compatibility
   return DraftModelTreeDrafter(cfg=plain.cfg, weights=plain.weights, **opts)

@@ -82,8 +82,9 @@ class SpeculatorSpec:
 
   where: "host" (Python between jitted verification steps) or "device" (inside the jitted loop).
   chainable: it can be a member of a host chain (a device speculator with a host implementation,
-  built with `device=False` there; default: where == "host"). tree: drafts token trees (n_max is then the node budget). head_format: the `format`
-  of the trained head it needs (None: none), head_stem: the file stem inside a head folder.
+  built with `device=False` there; default: where == "host"). tree: drafts token trees (their node
+  budget is an option, `n_nodes` for the built-in trees; n_max caps their depth). head_format: the
+  `format` of the trained head it needs (None: none), head_stem: the file stem inside a head folder.
   needs_draft_model: drafts with a second (smaller) model. committed_heads: target name -> a head
   path under the checkout's assets/, named when the head is missing. example: `example(target,
   workdir) -> dict` of `build` keyword arguments (a random head, a draft model, options) that make a

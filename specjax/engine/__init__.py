@@ -77,7 +77,8 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
   sampling = sampling or SamplingParams.make(b)
-  dp = {n: jnp.asarray(a) for n, a in (draft_params or DraftParams(n_max=k)).arrays(b, k).items()}
+  limit = None if drafter.proposes_tree else k       # a tree's n_max caps its depth: no bound needed
+  dp = {n: jnp.asarray(a) for n, a in (draft_params or DraftParams(n_max=k)).arrays(b, limit).items()}
   cap = plan_capacity(tokens.shape[1], max_new_tokens, k + 1, capacity)
   history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
   adaptive = adapt.AdaptiveConfig() if adaptive is True else adaptive

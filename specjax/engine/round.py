@@ -153,8 +153,9 @@ def verify_chain(spec: RoundSpec, inp: RoundInputs, state: GenState, draft: Draf
 def verify_tree(spec: RoundSpec, inp: RoundInputs, state: GenState, tree: TreeDraft) -> tuple[GenState, Verdict]:
   """Score [last, node_0..node_{T-1}] in one pass (tree positions and ancestor mask), accept the
   longest acceptable root-to-node path plus one token (`specjax.engine.tree`), move the path's KV
-  entries into consecutive slots and emit. The node budget is n_max (nodes past it are padding;
-  trees under n_min nodes are not verified)."""
+  entries into consecutive slots and emit. The tree's node budget is the drafter's (nodes past a
+  sequence's `n_nodes` are padding); a sequence's n_max caps the depth of the nodes verified, as it
+  caps a chain's length, and trees shallower than n_min are not verified."""
   if not isinstance(target_of(spec.cfg), DecoderTarget):
     raise NotImplementedError(
         "tree drafts are verified on attention-only targets; a hybrid target would need the recurrent "
@@ -162,17 +163,20 @@ def verify_tree(spec: RoundSpec, inp: RoundInputs, state: GenState, tree: TreeDr
   max_depth = max_depth_of(spec.drafter)
   b = tree.tokens.shape[0]
   live = ~state.done
-  n_nodes = jnp.minimum(tree.n_nodes, inp.dp["n_max"])
-  n_nodes = jnp.where((n_nodes < inp.dp["n_min"]) | ~live, 0, n_nodes)             # [B]
-  shape = tree_shape(tree.parents, n_nodes, max_depth)
+  shape = tree_shape(tree.parents, jnp.where(live, tree.n_nodes, 0), max_depth)
+  within = shape.valid & (shape.depth <= inp.dp["n_max"][:, None])                 # [B, T] depth cap n_max
+  reach = jnp.max(jnp.where(within, shape.depth, 0), axis=1, initial=0)            # [B] deepest node kept
+  deep_enough = reach >= inp.dp["n_min"]                                           # [B] else not verified
+  valid = within & deep_enough[:, None]                                            # [B, T]
+  reach = jnp.where(deep_enough, reach, 0)
+  shape = dataclasses.replace(shape, valid=valid)
   base = state.cache.lengths                                                        # [B] position of `last`
   verified = jnp.concatenate([state.last[:, None], tree.tokens], axis=1)           # [B, T+1]
   logits, tapped, after = target_of(spec.cfg).forward(inp.params, spec.cfg, verified, state.cache, taps=spec.taps,
                                                       positions=tree_positions(base, shape),
                                                       attn_mask=tree_attention_mask(shape))   # [B, T+1, V]
   keys, use = split_keys(state.keys)
-  n_acc, path, nxt = accept_tree(shaped_probs(logits, inp.sampling), dataclasses.replace(tree, n_nodes=n_nodes),
-                                 shape, use, max_depth)
+  n_acc, path, nxt = accept_tree(shaped_probs(logits, inp.sampling), tree, shape, use, max_depth)
   n_acc = jnp.where(live, n_acc, 0)
   idx = jnp.arange(max_depth + 1)[None, :]
   src = jnp.where(idx <= n_acc[:, None], jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path + 1], axis=1), 0)  # [B, D+1]
@@ -183,10 +187,10 @@ def verify_tree(spec: RoundSpec, inp: RoundInputs, state: GenState, tree: TreeDr
                       jnp.concatenate([on_path[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1))   # [B, D+1]
   gather = lambda h: jnp.take_along_axis(h, src[:, :, None], axis=1)              # [B, D+1, d_model]
   tapped = {"prenorm": gather(tapped["prenorm"]), "layers": tuple(gather(h) for h in tapped["layers"])}
-  reach = jnp.max(jnp.where(shape.valid, shape.depth, 0), axis=1, initial=0)       # [B] deepest valid node
   state = dataclasses.replace(state, cache=cache, keys=keys)
   state, n_out = emit(state, emitted, jnp.where(live, n_acc + 1, 0), inp.stop_ids, inp.max_new)
-  return state, Verdict(n_accepted=n_acc, next_token=nxt, n_verified=n_nodes, reach=reach, path=on_path,
+  n_verified = jnp.sum(valid, axis=1, dtype=jnp.int32)                              # [B]
+  return state, Verdict(n_accepted=n_acc, next_token=nxt, n_verified=n_verified, reach=reach, path=on_path,
                         taps=tapped, live=live, n_out=n_out)
 
 

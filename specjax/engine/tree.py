@@ -52,6 +52,20 @@ class TreeShape:
   depth: jax.Array                # [B, T] int32: 1 for children of the root
 
 
+DEFAULT_NODES = 32             # a best-first tree's node budget when none is given (at most its candidates)
+
+
+def n_candidates(depth: int, top_k: int) -> int:
+  """Nodes of a best-first tree's candidate pool (EAGLE-2's, DFlash tree's): the top_k children of
+  the root, then top_k x top_k at every later level (the top_k best frontier nodes expanded)."""
+  return top_k + (depth - 1) * top_k * top_k
+
+
+def node_budget(n_nodes: int | None, depth: int, top_k: int) -> int:
+  """The node budget of a best-first tree: `n_nodes`, or by default min(DEFAULT_NODES, its candidates)."""
+  return min(DEFAULT_NODES, n_candidates(depth, top_k)) if n_nodes is None else int(n_nodes)
+
+
 def best_nodes(pool_tok, pool_score, pool_parent, budget: int):
   """The best `budget` nodes of a drafter's candidate pool [B, P] (tokens, scores, parent pool index
   or -1), scores falling along every path and parents before their children in the pool, so the

@@ -166,7 +166,7 @@ def add_eagle3_commands(tsub, common) -> None:
   e.add_argument("--prompts", default="mt_bench", help="prompt set (first turns)")
   e.add_argument("--n-questions", type=int, default=16, help="first N questions")
   e.add_argument("--n-max", default="1,2,3,4,5", help="comma-separated chain lengths")
-  e.add_argument("--tree", default="6,8,48", help="depth,top_k,budget of the tree drafter")
+  e.add_argument("--tree", default="6,8,48", help="depth,top_k,n_nodes (the node budget) of the tree drafter")
   e.add_argument("--temperatures", default="0,0.7")
   e.add_argument("--max-new-tokens", type=int, default=128)
   e.add_argument("--batch-size", type=int, default=8)
@@ -263,18 +263,19 @@ def cmd_eval_dflash(args) -> int:
   target = load_model(spec.target, dtype=jnp.dtype(spec.dtype), progress=not args.quiet)
   head = args.head or spec.export
   methods = {f"dflash n{n}": ("dflash", head, int(n), {}) for n in args.n_max.split(",") if n}
-  tree = {"depth": args.tree_depth, "top_k": args.tree_top_k}
+  tree = {"depth": args.tree_depth, "top_k": args.tree_top_k}                    # n_max caps a tree's depth
   for n in filter(None, args.tree.split(",")):
-    methods[f"dflash tree{n}"] = ("dflash_tree", head, int(n), tree)
+    methods[f"dflash tree{n}"] = ("dflash_tree", head, args.tree_depth, {**tree, "n_nodes": int(n)})
   if args.mtp_head:
     methods["mtp n3"] = ("mtp", args.mtp_head, 3, {})
   if args.eagle3_head:
     methods["eagle3 n5"] = ("eagle3", args.eagle3_head, 5, {})
     for n in filter(None, args.eagle3_tree.split(",")):
-      methods[f"eagle3 tree{n}"] = ("eagle3_tree", args.eagle3_head, int(n), tree)
+      methods[f"eagle3 tree{n}"] = ("eagle3_tree", args.eagle3_head, args.tree_depth, {**tree, "n_nodes": int(n)})
   sets = [(name, int(n) if n else args.n_questions) for name, _, n in (x.partition(":") for x in args.prompts.split(","))]
   widest = max(len(p) for name, n in sets for p in first_turns(target, name, n)[1])
-  cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + max(m[2] for m in methods.values()) + 2, 64)
+  draft = max(max(n, opts.get("n_nodes", 0)) for _, _, n, opts in methods.values())   # tokens or tree nodes verified
+  cap = round_up(round_up(widest, PROMPT_BUCKET) + args.max_new_tokens + draft + 2, 64)
   out["files"] = {"target": env.model_files(target.source),
                   "heads": {label: env.head_files(m[1]) for label, m in methods.items()}}
   earlier = _eval_dflash_resume(args.out, out) if args.resume else {}
@@ -323,7 +324,7 @@ def add_dflash_commands(tsub, common) -> None:
                  help="prompt sets (first turns), each optionally with its own count: mt_bench:24,humaneval:16")
   e.add_argument("--n-questions", type=int, default=16, help="first N questions of each (without a count)")
   e.add_argument("--n-max", default="15", help="comma-separated drafts per pass (<= block_size - 1)")
-  e.add_argument("--tree", default="", help="comma-separated node budgets of dflash_tree runs (e.g. 32,64)")
+  e.add_argument("--tree", default="", help="comma-separated node budgets (n_nodes) of dflash_tree runs (e.g. 32,64)")
   e.add_argument("--tree-depth", type=int, default=8, help="depth of the trees (dflash_tree, eagle3_tree)")
   e.add_argument("--tree-top-k", type=int, default=8, help="children per expanded node of the trees")
   e.add_argument("--temperatures", default="0,0.7")
@@ -332,7 +333,8 @@ def add_dflash_commands(tsub, common) -> None:
   e.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest")
   e.add_argument("--mtp-head", default=None, help="also run this MTP head (n_max 3) side by side")
   e.add_argument("--eagle3-head", default=None, help="also run this EAGLE-3 head (chain, n_max 5) side by side")
-  e.add_argument("--eagle3-tree", default="", help="and EAGLE-2 trees of these node budgets over it (e.g. 32)")
+  e.add_argument("--eagle3-tree", default="",
+                 help="and EAGLE-2 trees of these node budgets (n_nodes) over it (e.g. 32)")
   e.add_argument("--out", required=True, help="result JSON (and a PNG next to it)")
   e.add_argument("--resume", action="store_true",
                  help="continue an interrupted evaluation in --out: temperatures it completed are kept")

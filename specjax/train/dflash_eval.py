@@ -26,24 +26,25 @@ def evaluate(target, methods: dict, *, prompt_set: str = "mt_bench", n_questions
              temperatures=(0.0, 0.7), max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
              capacity: int | None = None, progress: bool = True, on_row=None, repeats: int = 1,
              done_rows: list[dict] | None = None) -> dict:
-  """methods: {label: (speculator name, head path or head in memory, n_max, options)}, each made by
-  the registry. `capacity`: KV slots (default: enough for these prompts); one capacity for several
-  prompt sets lets their runs share compiled decode loops. `on_row(result so far)` is called after
-  each row (a caller can save partial results of a long run). `repeats`: each batch is timed that
-  many times and its fastest run counts. `done_rows`: the rows of an interrupted evaluation of these
-  questions: a temperature they complete (plain and every method) is kept as it is and not run again."""
+  """methods: {label: (speculator name, head path or head in memory, n_max, options)}, each made by the
+  registry (a tree's n_max caps its depth; its node budget is the `n_nodes` option). `capacity`: KV
+  slots (default: enough for these prompts); one capacity for several prompt sets lets their runs
+  share compiled decode loops. `on_row(result so far)` is called after each row (a caller can save
+  partial results of a long run). `repeats`: each batch is timed that many times and its fastest run
+  counts. `done_rows`: the rows of an interrupted evaluation of these questions: a temperature they
+  complete (plain and every method) is kept as it is and not run again."""
   from specjax.bench.prompts import load_prompt_set
   from specjax.train.head_eval import evaluate_rows, first_turn_capacity, head_method
 
   questions = load_prompt_set(prompt_set, limit=n_questions)
-  widest = max([m[2] for m in methods.values()] + [1])
+  configs = [head_method(target, label, name, head, n_max, {name: dict(opts or {})})
+             for label, (name, head, n_max, opts) in methods.items()]
+  widest = max([c.speculator.max_draft for c in configs] + [1])                    # trees: their node budgets
   cap = capacity or first_turn_capacity(target, questions, max_new_tokens, widest)
   result = {"prompt_set": prompt_set, "questions": [q.question_id for q in questions],
             "max_new_tokens": max_new_tokens, "batch_size": batch_size, "capacity": cap,
             "methods": {k: list(v[:3]) + [dict(v[3] or {})] for k, v in methods.items()},
             "repeats": max(1, repeats), "rows": []}
-  configs = [head_method(target, label, name, head, n_max, {name: dict(opts or {})})
-             for label, (name, head, n_max, opts) in methods.items()]
 
   def saved(rows):
     result["rows"] = rows

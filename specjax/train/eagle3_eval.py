@@ -29,8 +29,8 @@ def evaluate_eagle3(target, head, *, prompt_set: str = "mt_bench", n_questions: 
     methods.append(head_method(target, f"chain{nm}", "eagle3", head, nm))
     labels[f"chain{nm}"] = ("chain", {"n_max": nm}, nm + 1)
   if tree:
-    methods.append(head_method(target, "tree", "eagle3_tree", head, tree["budget"],
-                               {"depth": tree["depth"], "top_k": tree["top_k"]}))
+    methods.append(head_method(target, "tree", "eagle3_tree", head, tree["depth"],
+                               {"depth": tree["depth"], "top_k": tree["top_k"], "n_nodes": tree["budget"]}))
     labels["tree"] = ("tree", dict(tree), tree["budget"] + 1)
   if mtp_head:
     methods.append(head_method(target, "mtp", "mtp", mtp_head, mtp_n_max))

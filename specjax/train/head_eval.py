@@ -23,7 +23,8 @@ from specjax.engine.generation import PROMPT_BUCKET, round_up
 
 def head_method(target, label: str, speculator: str, head, n_max: int, options: dict | None = None) -> MethodConfig:
   """The harness's method for a head (a file, or a head in memory) under `label`, its drafter built
-  once here (the registry's builder), so that every temperature's run reuses its compiled loops."""
+  once here (the registry's builder), so that every temperature's run reuses its compiled loops.
+  n_max: a chain's length, a tree's depth cap (its node budget is the `n_nodes` option)."""
   drafter = make_speculator(speculator, target, head=head, draft_params=DraftParams(n_max=n_max),
                             options=dict(options or {}))
   return MethodConfig(name=label, speculator=drafter, draft_params=DraftParamsConfig(n_max=n_max))
@@ -44,7 +45,7 @@ def evaluate_rows(target, questions, methods: list[MethodConfig], *, temperature
   `done_rows`: rows of an interrupted evaluation; a temperature they complete (plain and every
   method) is kept as it is. `on_row(rows so far)` after each row (and after a kept temperature)."""
   rows: list[dict] = []
-  widest = max([m.draft_params.n_max for m in methods] + [1])
+  widest = max([max(m.draft_params.n_max, m.speculator.max_draft) for m in methods] + [1])   # trees: their nodes
   cap = capacity or first_turn_capacity(target, questions, max_new_tokens, widest)
   labels = [PLAIN] + [m.name for m in methods]
   for temp in temperatures:
