@@ -1,5 +1,6 @@
 """The search (`run_tune`): plain reference, random search or successive halving under a trials /
-seconds budget, the best trial, and plain / default / best on the held-out questions."""
+seconds budget, the best trial, and plain / default / best on the held-out questions. A `Search`
+holds one search's state (candidates, trial rows, records, deadline); `run_tune` runs its steps."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import math
 import time
 
 from specjax.bench import harness
-from specjax.bench.config import MethodConfig, to_dict
+from specjax.bench.config import ExperimentConfig, MethodConfig, to_dict
 from specjax.bench.prompts import Question
 from specjax.bench.records import PLAIN, PromptRecord, result_dict, summarize as summarize_records
-from specjax.tune.config import TuneConfig, TuneError, _plain, tune_config_to_dict
+from specjax.tune.config import TuneConfig, TuneError, TuneSettings, _plain, tune_config_to_dict
 from specjax.tune.questions import split_questions
 from specjax.tune.report import _fmt, _num
 from specjax.tune.space import Space, method_key, method_label
@@ -45,10 +46,6 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   """Search, then evaluate plain / default / best on the held-out questions. Returns the report dict
   (JSON-ready; `write_outputs` writes it). `target`: a loaded model to reuse (else `cfg.target` is
   loaded); `questions`: instead of the config's prompt sets."""
-  from tqdm.auto import tqdm
-
-  from specjax.bench import env
-
   cfg, t = tcfg.experiment, tcfg.tune
   say = log or (lambda s: None)
   t_start = time.perf_counter()
@@ -58,50 +55,79 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   if target is None:
     target = harness.load_target(cfg, progress=progress)
   say(f"{len(tune_qs)} tuning and {len(holdout_qs)} held-out questions")
-  draft_cache: dict = {}
-  default = dataclasses.replace(tcfg.default_method)
+  search = Search(cfg, t, target, dataclasses.replace(tcfg.default_method), say)
+  stop_reason, rung_sizes = search.run(tune_qs, progress)
+  search_seconds = time.perf_counter() - search.t0
+  best = best_trial(search.trials)
+  if best is None:
+    raise TuneError(f"no trial finished within the budget ({t.budget}); raise it")
+  best_method = dataclasses.replace(search.methods[best], name=_tuned_name(search.default))
+  say(f"best: trial {best} {search.trials[best]['label']} ({t.metric} {_fmt(search.trials[best]['metric'])})")
+  holdout = _holdout(cfg, target, search.default, best_method, holdout_qs, search.draft_cache, say)
+  return _report(tcfg, search, target, tune_qs, holdout_qs, stop_reason=stop_reason, rung_sizes=rung_sizes,
+                 search_seconds=search_seconds, wall_seconds=time.perf_counter() - t_start, best=best,
+                 best_method=best_method, holdout=holdout)
 
-  t0 = time.perf_counter()
-  deadline = None if t.budget.seconds is None else t0 + t.budget.seconds
-  n_trials = t.budget.trials
-  seen: set[str] = set()
-  trials: list[dict] = []
-  methods: list[MethodConfig] = []
-  records: dict[int, list[PromptRecord]] = {}
-  stop_reason = None
 
-  # plain decoding on the tuning questions: speedup reference (and the plot's baseline)
-  plain_records: list[PromptRecord] = []
-  try:
-    plain_records = run_questions(cfg, target, None, tune_qs, draft_cache, deadline)
-  except Deadline:
-    stop_reason = "seconds"
-  plain = {(r.question_id, r.turn): r for r in plain_records}
-  plain_summary = summarize_records(plain_records, plain) if plain_records else None
+class Search:
+  """One search's state: plain decoding's records on the tuning questions (the speedup reference),
+  the candidates drawn so far, their trial rows and records, and the wall-time deadline."""
 
-  space = Space(t)
+  def __init__(self, cfg: ExperimentConfig, t: TuneSettings, target, default: MethodConfig, say):
+    self.cfg, self.t, self.target, self.default, self.say = cfg, t, target, default, say
+    self.draft_cache: dict = {}
+    self.t0 = time.perf_counter()
+    self.deadline = None if t.budget.seconds is None else self.t0 + t.budget.seconds
+    self.space = Space(t)
+    self.seen: set[str] = set()
+    self.trials: list[dict] = []
+    self.methods: list[MethodConfig] = []
+    self.records: dict[int, list[PromptRecord]] = {}
+    self.plain_records: list[PromptRecord] = []
+    self.plain: dict = {}
 
-  def new_candidates(n):
+  @property
+  def plain_summary(self) -> dict | None:
+    return summarize_records(self.plain_records, self.plain) if self.plain_records else None
+
+  def run(self, tune_qs: list[Question], progress: bool) -> tuple[str, list[int]]:
+    """Plain decoding, then the strategy's trials on `tune_qs`. -> (why it stopped, questions per rung)."""
+    from tqdm.auto import tqdm
+    try:
+      self.plain_records = run_questions(self.cfg, self.target, None, tune_qs, self.draft_cache, self.deadline)
+    except Deadline:
+      return "seconds", []
+    self.plain = {(r.question_id, r.turn): r for r in self.plain_records}
+    bar = tqdm(desc=f"tune {self.cfg.name}", unit="trial", total=self.t.budget.trials, disable=not progress)
+    try:
+      return self.run_random(tune_qs, bar) if self.t.strategy == "random" else self.run_halving(tune_qs, bar)
+    finally:
+      bar.close()
+
+  def new_candidates(self, n: int | None) -> list[MethodConfig]:
+    """Up to n (None: without end) new distinct candidates, the default first; each gets a trial row."""
     out = []
-    if t.include_default and not methods and (n is None or n > 0):
-      out.append(dataclasses.replace(default, name="trial0"))
-      seen.add(method_key(default))
+    if self.t.include_default and not self.methods and (n is None or n > 0):
+      out.append(dataclasses.replace(self.default, name="trial0"))
+      self.seen.add(method_key(self.default))
       n = None if n is None else n - 1
     if n is None or n > 0:
-      out += list(space.candidates(n, seen))
+      out += list(self.space.candidates(n, self.seen))
     for m in out:
-      methods.append(m)
-      trials.append(_trial_row(len(trials), m))
+      self.methods.append(m)
+      self.trials.append(_trial_row(len(self.trials), m))
     return out
 
-  def evaluate(i: int, qs: list[Question]) -> bool:
-    """Run trial i on questions it has not run yet; False when the deadline cut it."""
-    row = trials[i]
-    done_ids = {(r.question_id, r.turn) for r in records.get(i, [])}
+  def evaluate(self, i: int, qs: list[Question]) -> bool:
+    """Run trial i on the questions of `qs` it has not run yet and update its row; False when the
+    deadline cut it (a failing candidate is a result of the search: its row says why)."""
+    row = self.trials[i]
+    done_ids = {(r.question_id, r.turn) for r in self.records.get(i, [])}
     todo = [q for q in qs if (q.question_id, 0) not in done_ids]
     t1 = time.perf_counter()
     try:
-      recs = run_questions(cfg, target, methods[i], todo, draft_cache, deadline) if todo else []
+      recs = (run_questions(self.cfg, self.target, self.methods[i], todo, self.draft_cache, self.deadline)
+              if todo else [])
     except Deadline:
       row["wall_seconds"] += time.perf_counter() - t1
       if row["status"] == "pending":
@@ -110,67 +136,58 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
     except Exception as e:  # noqa: BLE001 - a bad candidate is a result of the search, not a crash
       row.update(status="error", error=f"{type(e).__name__}: {e}")
       row["wall_seconds"] += time.perf_counter() - t1
-      say(f"trial {i} failed: {row['error']}")
+      self.say(f"trial {i} failed: {row['error']}")
       return True
     row["wall_seconds"] += time.perf_counter() - t1
-    records[i] = records.get(i, []) + recs
-    s = summarize(records[i], plain)
-    rung = {"n_questions": len(qs), **{k: s[k] for k in _SUMMARY_KEYS}, "elapsed": time.perf_counter() - t0}
+    self.records[i] = self.records.get(i, []) + recs
+    s = summarize(self.records[i], self.plain)
+    rung = {"n_questions": len(qs), **{k: s[k] for k in _SUMMARY_KEYS}, "elapsed": time.perf_counter() - self.t0}
     row["rungs"].append(rung)
-    row.update({k: s[k] for k in _SUMMARY_KEYS}, status="ok", n_questions=len(qs), metric=s[t.metric])
-    say(f"trial {i} [{len(qs)} q] {row['label']}: {t.metric} {_fmt(row['metric'])}")
+    row.update({k: s[k] for k in _SUMMARY_KEYS}, status="ok", n_questions=len(qs), metric=s[self.t.metric])
+    self.say(f"trial {i} [{len(qs)} q] {row['label']}: {self.t.metric} {_fmt(row['metric'])}")
     return True
 
-  bar = tqdm(desc=f"tune {cfg.name}", unit="trial", total=n_trials, disable=not progress)
-  if stop_reason is None and t.strategy == "random":
-    i = 0
+  def run_random(self, tune_qs: list[Question], bar) -> tuple[str, list[int]]:
+    """Random search: one candidate after another on every tuning question, until the trials or
+    the seconds run out (or the space)."""
+    n_trials, i = self.t.budget.trials, 0
     while n_trials is None or i < n_trials:
-      if deadline is not None and time.perf_counter() > deadline:
-        stop_reason = "seconds"
-        break
-      if not new_candidates(1):
-        stop_reason = "space exhausted"
-        break
-      ok = evaluate(i, tune_qs)
+      if self.deadline is not None and time.perf_counter() > self.deadline:
+        return "seconds", [len(tune_qs)]
+      if not self.new_candidates(1):
+        return "space exhausted", [len(tune_qs)]
+      ok = self.evaluate(i, tune_qs)
       bar.update(1)
       i += 1
       if not ok:
-        stop_reason = "seconds"
-        break
-    else:
-      stop_reason = "trials"
-    rung_sizes = [len(tune_qs)]
-  elif stop_reason is None:
-    rung_sizes = halving_schedule(len(tune_qs), n_trials, t.eta, t.min_questions)
-    alive = list(range(len(new_candidates(n_trials))))
-    if len(alive) < n_trials:
-      say(f"the space holds only {len(alive)} distinct candidates")
+        return "seconds", [len(tune_qs)]
+    return "trials", [len(tune_qs)]
+
+  def run_halving(self, tune_qs: list[Question], bar) -> tuple[str, list[int]]:
+    """Successive halving: every candidate on the first rung's questions, the best 1/eta of those
+    that finished on eta times as many, ..., the last rung on every tuning question."""
+    t = self.t
+    rung_sizes = halving_schedule(len(tune_qs), t.budget.trials, t.eta, t.min_questions)
+    alive = list(range(len(self.new_candidates(t.budget.trials))))
+    if len(alive) < t.budget.trials:
+      self.say(f"the space holds only {len(alive)} distinct candidates")
     for r_i, n_q in enumerate(rung_sizes):
-      qs = tune_qs[:n_q]
       for i in alive:
-        if not evaluate(i, qs):
-          stop_reason = "seconds"
-          break
+        if not self.evaluate(i, tune_qs[:n_q]):
+          return "seconds", rung_sizes
         if r_i == 0:
           bar.update(1)
-      if stop_reason:
-        break
-      ok = [i for i in alive if trials[i]["status"] == "ok"]
+      ok = [i for i in alive if self.trials[i]["status"] == "ok"]
       if r_i + 1 < len(rung_sizes):
         keep = max(1, math.ceil(len(ok) / t.eta))
-        alive = sorted(ok, key=lambda i: (-_num(trials[i]["metric"]), i))[:keep]
-    else:
-      stop_reason = "trials"
-  bar.close()
-  search_seconds = time.perf_counter() - t0
+        alive = sorted(ok, key=lambda i: (-_num(self.trials[i]["metric"]), i))[:keep]
+    return "trials", rung_sizes
 
-  best = best_trial(trials)
-  if best is None:
-    raise TuneError(f"no trial finished within the budget ({t.budget}); raise it")
-  best_method = dataclasses.replace(methods[best], name=_tuned_name(default))
-  say(f"best: trial {best} {trials[best]['label']} ({t.metric} {_fmt(trials[best]['metric'])})")
 
-  # held-out: plain, default, tuned on questions the search never saw (no deadline here)
+def _holdout(cfg: ExperimentConfig, target, default: MethodConfig, best_method: MethodConfig,
+             holdout_qs: list[Question], draft_cache: dict, say) -> dict:
+  """Plain, default and tuned on the questions the search never saw (no deadline here): a harness
+  result."""
   t2 = time.perf_counter()
   by_method = {PLAIN: run_questions(cfg, target, None, holdout_qs, draft_cache)}
   by_method[default.name] = run_questions(cfg, target, default, holdout_qs, draft_cache)
@@ -181,14 +198,21 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
   say(f"held-out tokens/s: plain {_fmt(hs['plain']['overall']['tokens_per_s'])}, "
       f"{default.name} {_fmt(hs[default.name]['overall']['tokens_per_s'])}, "
       f"{best_method.name} {_fmt(hs[best_method.name]['overall']['tokens_per_s'])}")
+  return holdout
 
+
+def _report(tcfg: TuneConfig, search: "Search", target, tune_qs, holdout_qs, *, stop_reason, rung_sizes,
+            search_seconds, wall_seconds, best, best_method, holdout) -> dict:
+  """The report of a search (JSON-ready but for `_questions`, which `write_outputs` drops)."""
+  from specjax.bench import env
+  cfg, t, default = tcfg.experiment, tcfg.tune, search.default
   return {
       "experiment": cfg.name,
       "config": tune_config_to_dict(tcfg),
       "git_revision": env.git_revision(),
       "device": env.device_info(),
       "environment": env.environment(),
-      "files": _files(cfg, target, methods),
+      "files": _files(cfg, target, search.methods),
       "strategy": t.strategy,
       "metric": t.metric,
       "seed": t.seed,
@@ -196,12 +220,12 @@ def run_tune(tcfg: TuneConfig, *, target=None, questions: list[Question] | None 
       "stop_reason": stop_reason,
       "rungs": rung_sizes,
       "search_seconds": search_seconds,
-      "wall_seconds": time.perf_counter() - t_start,
+      "wall_seconds": wall_seconds,
       "tune_questions": [q.question_id for q in tune_qs],
       "holdout_questions": [q.question_id for q in holdout_qs],
-      "plain": plain_summary,
+      "plain": search.plain_summary,
       "default": {"name": default.name, "label": method_label(default), "method": _plain(to_dict(default))},
-      "trials": trials,
+      "trials": search.trials,
       "best": best,
       "best_method": _plain(to_dict(best_method)),
       "holdout": holdout,
