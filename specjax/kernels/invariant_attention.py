@@ -77,13 +77,13 @@ def _kernel(pos_ref, lim_ref, tb_ref, q_ref, k_ref, v_ref, tk_ref, tv_ref, tvis_
     load = lambda ref, at, vis: plgpu.load(ref.at[pl.ds(at, block_k), :], mask=vis[:, None], other=0)
     k = jnp.where(use_tail, load(tk_ref, t_at, t_vis), load(k_ref, j * block_k, c_vis))   # [BK, D]
     vis = c_vis | t_vis
-    s = pl.dot(q, k, trans_b=True, precision=precision) * scale                  # [GM, BK] float32
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale                  # [GM, BK] float32
     s = jnp.where(vis[None, :], s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))                                   # [GM]
     corr = jnp.exp(m - m_new)
     pr = jnp.exp(s - m_new[:, None])                                             # [GM, BK]
     v = jnp.where(use_tail, load(tv_ref, t_at, t_vis), load(v_ref, j * block_k, c_vis))
-    o = corr[:, None] * o + pl.dot(pr.astype(v.dtype), v, precision=precision)   # [GM, D]
+    o = corr[:, None] * o + plgpu.dot(pr.astype(v.dtype), v, precision=precision)   # [GM, D]
     return o, m_new, corr * l + jnp.sum(pr, axis=1)
 
   init = (jnp.zeros((gm, d), jnp.float32), jnp.full((gm,), NEG_INF, jnp.float32), jnp.zeros((gm,), jnp.float32))

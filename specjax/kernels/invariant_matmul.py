@@ -81,10 +81,10 @@ def _kernel(x_ref, w_ref, o_ref, *, k_size: int, block_k: int, n_splits: int, tr
     if transposed:
       w = plgpu.load(w_ref.at[:, pl.ds(start, block_k)], mask=None if valid is None else valid[None, :],
                      other=None if valid is None else 0)                          # [BN, BK]
-      return acc + pl.dot(x, w, trans_b=True, precision=precision)
+      return acc + plgpu.dot(x, w, trans_b=True, precision=precision)
     w = plgpu.load(w_ref.at[pl.ds(start, block_k), :], mask=None if valid is None else valid[:, None],
                    other=None if valid is None else 0)                            # [BK, BN]
-    return acc + pl.dot(x, w, precision=precision)
+    return acc + plgpu.dot(x, w, precision=precision)
 
   bm, bn = o_ref.shape
   plgpu.store(o_ref, lax.fori_loop(lo, hi, body, jnp.zeros((bm, bn), jnp.float32)))
