@@ -16,7 +16,8 @@ The kernels run in Pallas interpret mode on the CPU. Properties checked, bitwise
   verification and of a tree verification (llama in bf16, gemma3 in float32);
 - end to end in bf16: speculative greedy output of a chain speculator (ngram_simple, mtp with a
   random head) and a tree speculator (eagle3_tree with a random head) equals plain greedy output on
-  every prompt of a ragged batch. Whether the default (XLA) mode differs on this CPU is printed.
+  every prompt of a ragged batch. Whether the default (XLA) mode differs on this CPU is printed;
+- `api.load(invariant=...)`, SPECJAX_INVARIANT=1 and `api.batch_invariant` switch the mode.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def test_kernels_lower_to_triton_for_cuda():
   cache = sds((2, 1088, 3, 64), bf)
   lowers(lambda q, k, v, n: ia.invariant_attention(q, k, v, n, None, 0.125, interpret=False),
          sds((2, 1, 9, 64), f32), cache, cache, sds((2,), jnp.int32))
-  lowers(lambda q, k, v, n, p, m: ia.invariant_attention(q, k, v, n, p, 0.125, new_mask=m, window=512, interpret=False),
+  tree = functools.partial(ia.invariant_attention, scale=0.125, window=512, interpret=False)
+  lowers(lambda q, k, v, n, p, m: tree(q, k, v, n, p, new_mask=m),
          sds((2, 49, 9, 64), f32), cache, cache, sds((2,), jnp.int32), sds((2, 49), jnp.int32), sds((2, 49, 49), jnp.bool_))
 
 

@@ -21,7 +21,8 @@ Where the keys come from:
   block are read from the cache as in the causal case.
 
 A sliding window (`window`) masks positions p - window and earlier and skips whole blocks below it.
-On a GPU the kernel is lowered by Pallas to Triton; elsewhere it runs in Pallas interpret mode.
+On a GPU the kernel is lowered by Pallas to Triton; elsewhere it runs in Pallas interpret mode
+(`specjax.kernels.interpreted`: at least two grid steps).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax.kernels import dispatch
+from specjax.kernels import interpreted
 
 NEG_INF = -1e30
 NEVER = 1 << 30            # tail block index of causal queries: no block is read from a tail
@@ -133,6 +134,11 @@ def invariant_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
   g = h // kvh
   if d != _pow2(d) or d < 16:
     raise ValueError(f"invariant attention needs a power-of-two head_dim >= 16, got {d}")
+  interpret = interpreted.interpret_default(interpret)
+  if interpret and b * kvh * t == 1:   # a one-step interpreted grid (kernels/interpreted.py): run two
+    two = lambda x: None if x is None else jnp.concatenate([x, x])
+    return invariant_attention(two(q), two(k), two(v), two(lengths), two(positions), scale, new_mask=two(new_mask),
+                               window=window, interpret=True)[:1]
   gm = max(16, _pow2(g))
   bk = block_k_for(d)
   lengths = lengths.astype(jnp.int32)
@@ -168,7 +174,7 @@ def invariant_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.A
       out_specs=pl.BlockSpec((None, None, None, gm, d), lambda i, hh, j: (i, j, hh, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, kvh, gm, d), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=(not dispatch.on_gpu()) if interpret is None else interpret,
+      interpret=interpret,
       name="invariant_attention",
-  )(pos, lim, tb, qr, k, v, tk, tv, tvis)
+  )(pos, lim, tb, qr, k, v, tk, tv, tvis)                                       # [B, T, KVH, GM, D]
   return out[:, :, :, :g].reshape(b, t, h, d)

@@ -15,7 +15,8 @@ of rows (a K+1-token verification). Here the tiling is a function of the weight'
 The float32 path multiplies in IEEE float32 (no TF32), for exactness checks.
 
 On a GPU the kernel is lowered by Pallas to Triton; elsewhere it runs in Pallas interpret mode
-(slow; tests on tiny shapes). `matmul_reference` is the plain XLA product, for comparisons.
+(slow; tests on tiny shapes; `specjax.kernels.interpreted`). `matmul_reference` is the plain XLA
+product, for comparisons.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax.kernels import dispatch
+from specjax.kernels import dispatch, interpreted
 
 BLOCK_M = 16                 # rows per program: the smallest MMA tile, fixed for every row count
 
@@ -105,7 +106,8 @@ def pallas_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, tilin
   tl = tiling or tiling_for(k, n)
   rows = x.reshape(-1, k).astype(w.dtype)                                        # [M, K]
   m = rows.shape[0]
-  mp = -(-max(m, 1) // BLOCK_M) * BLOCK_M
+  interpret = interpreted.interpret_default(interpret)
+  mp = interpreted.padded_rows(m, BLOCK_M, interpret)
   rows = jnp.pad(rows, ((0, mp - m), (0, 0)))                                    # [Mp, K] zero rows
   precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None          # float32: IEEE, no TF32
   kernel = functools.partial(_kernel, k_size=k, block_k=tl.block_k, n_splits=tl.n_splits,
@@ -120,7 +122,7 @@ def pallas_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, tilin
       out_specs=pl.BlockSpec((None, BLOCK_M, tl.block_n), lambda i, j, s: (s, i, j)),
       out_shape=jax.ShapeDtypeStruct((tl.n_splits, mp, n), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=tl.num_warps, num_stages=tl.num_stages),
-      interpret=(not dispatch.on_gpu()) if interpret is None else interpret,
+      interpret=interpret,
       name="invariant_matmul",
   )(rows, w)                                                                     # [S, Mp, N]
   out = parts[0]

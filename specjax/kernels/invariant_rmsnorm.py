@@ -7,7 +7,7 @@ every tile is reduced by the same code, so a row's result depends on its own val
 
 y = x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) with `offset` (Gemma), computed in float32 and
 returned in x's dtype, as `specjax.models.layers.RMSNorm`. On a GPU the kernel is lowered by
-Pallas to Triton; elsewhere it runs in Pallas interpret mode.
+Pallas to Triton; elsewhere it runs in Pallas interpret mode (`specjax.kernels.interpreted`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax.kernels import dispatch
+from specjax.kernels import interpreted
 
 BLOCK_ROWS = 4            # rows per program: a [4, D] float32 tile stays in registers for D up to a few thousand
 
@@ -50,7 +50,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: bool = Fals
   *lead, d = x.shape
   rows = x.reshape(-1, d)
   m = rows.shape[0]
-  mp = -(-max(m, 1) // BLOCK_ROWS) * BLOCK_ROWS
+  interpret = interpreted.interpret_default(interpret)
+  mp = interpreted.padded_rows(m, BLOCK_ROWS, interpret)
   rows = jnp.pad(rows, ((0, mp - m), (0, 0)))                                    # [Mp, D] zero rows
   out = pl.pallas_call(
       functools.partial(_kernel, dim=d, eps=float(eps), offset=offset),
@@ -59,7 +60,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: bool = Fals
       out_specs=pl.BlockSpec((BLOCK_ROWS, d), lambda i: (i, 0)),
       out_shape=jax.ShapeDtypeStruct((mp, d), x.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=(not dispatch.on_gpu()) if interpret is None else interpret,
+      interpret=interpret,
       name="invariant_rmsnorm",
-  )(rows, weight)
+  )(rows, weight)                                                                # [Mp, D]
   return out[:m].reshape(*lead, d)
