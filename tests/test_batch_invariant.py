@@ -231,7 +231,7 @@ def test_decoder_logits_decode_equal_chain_and_tree_verification(cfg, dtype):
 
 PROMPTS = [[1, 5, 9, 3, 5, 9, 3, 5, 9, 3], [2, 4, 6, 2, 4, 6, 2, 4], [7, 7, 1, 2, 7, 7, 1, 2, 7, 7, 1]]
 MAX_NEW = 16
-SPECULATORS = {"ngram_simple": 4, "mtp": 2, "eagle3_tree": 6}     # name -> n_max (tree: nodes)
+SPECULATORS = {"ngram_simple": 4, "mtp": 2, "eagle3_tree": 6}     # name -> n_max (a tree: its depth bound)
 
 
 @pytest.fixture(scope="module")
