@@ -28,6 +28,11 @@ vLLM runs DeepSeek-V3's and Qwen3-Next's MTP layers, the committed entries read 
 hidden state *after* its final norm, each head has its own final norm (and DeepSeek's its own LM
 head copy, `weights["out"]`), step j uses head j % n_heads; "deepseek_v3" feeds the pre-norm
 output back and zeroes the embedding at position 0, "qwen3_next" feeds the normed output back.
+
+Families: the head's block is one full-attention layer of the target's family, a
+`specjax.models.decoder.Block` or, for hybrid targets (Qwen3.5, `HybridConfig`), the gated-attention
+`specjax.models.hybrid.HybridBlock` their built-in `mtp.*` layers are made of; the embedding, final
+norm and LM head come from `target_ops(cfg)`, the module of the target's family.
 """
 
 from __future__ import annotations
@@ -46,10 +51,15 @@ from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResul
 from specjax.drafters import head_file
 from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
                                         params_from_tensors, refuse_unplaced, tensors_from)
+from specjax.models import decoder, hybrid
 from specjax.models.config import ModelConfig
-from specjax.models.decoder import (Block, attention_masks, embed_tokens, final_norm, lm_head_logits,
-                                   logits_from_prenorm)
+from specjax.models.decoder import Block, attention_masks
+from specjax.models.hybrid import HybridBlock
+from specjax.models.hybrid_config import HybridConfig
+from specjax.models.kv_cache import KVCache
 from specjax.models.layers import Linear, RMSNorm
+
+FORMAT = "specjax-mtp-v1"
 
 
 def rms_norm(x, weight, eps: float, offset: bool):
@@ -58,25 +68,30 @@ def rms_norm(x, weight, eps: float, offset: bool):
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   w = weight.astype(jnp.float32) + (1.0 if offset else 0.0)
   return (xf * w).astype(x.dtype)
-from specjax.models.kv_cache import KVCache
-
-FORMAT = "specjax-mtp-v1"
 
 
-def block_config(cfg: ModelConfig) -> ModelConfig:
+def block_config(cfg: ModelConfig | HybridConfig) -> ModelConfig | HybridConfig:
   """The head's one decoder block: the target's family and sizes, one full-attention layer."""
   return cfg.replace(n_layers=1, layer_types=("full",))
+
+
+def target_ops(cfg: ModelConfig | HybridConfig):
+  """The module with the target's pieces a head reads (`embed_tokens`, `final_norm`,
+  `lm_head_logits`, `logits_from_prenorm`, all (params, cfg, x)): `specjax.models.hybrid` for a
+  hybrid target, else `specjax.models.decoder`."""
+  return hybrid if isinstance(cfg, HybridConfig) else decoder
 
 
 class MTPHead(nnx.Module):
   """enorm, hnorm, eh_proj and one decoder block; the final norm and LM head are the target's."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig | HybridConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     d = cfg.d_model
     self.enorm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
     self.hnorm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
     self.eh_proj = Linear(2 * d, d, bias=False, dtype=dtype, rngs=rngs)
-    self.block = Block(block_config(cfg), 0, dtype=dtype, rngs=rngs)
+    block = HybridBlock if isinstance(cfg, HybridConfig) else Block
+    self.block = block(block_config(cfg), 0, dtype=dtype, rngs=rngs)
 
   def __call__(self, emb, h, positions, write_kv, masks):
     """emb, h [B, T, d_model]; positions [B, T]; write_kv(k, v) -> (k_all, v_all); masks [B, T, S].
@@ -178,22 +193,22 @@ class MTPDrafter(DeviceDrafter):
 
   def _hidden(self, tp, prenorm):
     """The target hidden state the committed entries read [B, T, D]."""
-    return prenorm if self.style == "specjax" else final_norm(tp, self.cfg, prenorm)
+    return prenorm if self.style == "specjax" else target_ops(self.cfg).final_norm(tp, self.cfg, prenorm)
 
   def _embed(self, tp, tokens, positions):
     """Token embeddings [B, T, D]; zero at position 0 in the DeepSeek style (vLLM's deepseek_mtp)."""
-    emb = embed_tokens(tp, self.cfg, tokens)
+    emb = target_ops(self.cfg).embed_tokens(tp, self.cfg, tokens)
     return jnp.where((positions == 0)[..., None], 0.0, emb) if self.style == "deepseek_v3" else emb
 
   def _pick(self, dparams, m: int, o):
     """Head m's output o [B, 1, D] -> (greedy token [B], its probability [B], the state fed on)."""
-    tp = dparams["target"]
+    tp, ops = dparams["target"], target_ops(self.cfg)
     if self.style == "specjax":
-      logits, fed = logits_from_prenorm(tp, self.cfg, o), o
+      logits, fed = ops.logits_from_prenorm(tp, self.cfg, o), o
     else:
       out = dparams["out"][m]
       normed = rms_norm(o, out["norm"], self.cfg.norm_eps, self.cfg.norm_offset)   # [B, 1, D]
-      logits = (lm_head_logits(tp, self.cfg, normed) if "lm_head" not in out else
+      logits = (ops.lm_head_logits(tp, self.cfg, normed) if "lm_head" not in out else
                 jnp.einsum("btd,vd->btv", normed.astype(out["lm_head"].dtype), out["lm_head"],
                            preferred_element_type=jnp.float32))                  # [B, 1, V]
       fed = normed if self.style == "qwen3_next" else o
@@ -342,8 +357,9 @@ def load_heads(path: str | Path, cfg: ModelConfig, dtype=None) -> tuple[tuple[di
 
 def make_mtp_drafter(target, head, draft_params=None, **opts) -> MTPDrafter:
   """The `mtp` speculator for a loaded target and a head path (or loaded heads); `opts` are
-  MTPDrafter fields (e.g. unroll=False). A DeepSeek-V3 / Qwen3-Next layout folder loads too (and
-  `head` may be (heads, outs, style) of such heads)."""
+  MTPDrafter fields (e.g. unroll=False). A DeepSeek-V3 / Qwen3-Next layout folder loads too, and
+  so does a checkpoint folder with its own MTP layers (a Qwen3.5 target's: the registry passes its
+  folder when no head is given); `head` may be (heads, outs, style) of such heads."""
   from specjax.drafters import mtp_reference
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   cast = lambda tree: jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), tree)

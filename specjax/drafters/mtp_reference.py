@@ -19,8 +19,17 @@ How vLLM runs them, and specjax with `MTPDrafter.style` (`specjax/drafters/mtp.p
 hidden state *after* its final norm, layer j % n at step j, the layer's own final norm before
 the LM head; DeepSeek feeds the pre-norm output to the next step and zeroes the embedding at
 position 0, Qwen3-Next feeds the normed output. The layer is the target family's decoder block
-(specjax runs llama / qwen2 / qwen3 / mistral / gemma3 blocks: DeepSeek's MLA / MoE layers and
-Qwen3-Next's gated attention do not fit, and their tensors are named as missing or misshapen).
+(specjax runs llama / qwen2 / qwen3 / mistral / gemma3 blocks and, for a Qwen3.5 hybrid target, its
+gated-attention block: DeepSeek's MLA / MoE layers and MoE MLPs (Qwen3-Next, Qwen3.5-MoE) do not
+fit, and their tensors are named as missing or as having no place).
+
+Built-in layers: a Qwen3.5 HF checkpoint folder carries its own MTP layers in the Qwen3-Next layout
+(`mtp.*`, counted by its text config's `mtp_num_hidden_layers`; vLLM reads them with
+`vllm/model_executor/models/qwen3_5_mtp.py`, Qwen3_5MultiTokenPredictor: the fc / pre-fc norms /
+final norm as above, each layer a Qwen3.5 full-attention decoder layer, the LM head the target's).
+`load_reference` reads a whole checkpoint's MTP tensors alone (not the target's weights again), and
+`builtin_layers` finds them for `--spec mtp` without `--head`; the layer is then the hybrid family's
+gated-attention block (`specjax.models.hybrid.HybridBlock`), its norms (1 + w) like the target's.
 
 What does not travel: a head trained by `specjax train mtp` (style "specjax") reads the target's
 *pre-norm* hidden state and uses the target's final norm, so no reference layout computes what it
@@ -38,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.dflash_reference import read_safetensors, write_safetensors
+from specjax.drafters.dflash_reference import write_safetensors
 from specjax.drafters.head_file import (abstract_params, fused_sizes, params_from_tensors, params_of, refuse_unplaced,
                                         tensors_from)
 from specjax.errors import UserError
@@ -51,16 +60,82 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
+# a whole checkpoint (the target's own weights beside its MTP layers) holds one of these
+TARGET_EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def text_fields(meta: dict) -> dict:
+  """A config.json's text-model fields: a multimodal checkpoint ("qwen3_5") keeps them in `text_config`."""
+  text = meta.get("text_config")
+  return {**meta, **text} if isinstance(text, dict) else meta
+
+
+def mtp_layer_count(meta: dict) -> int:
+  """MTP layers a config.json names (`num_nextn_predict_layers` or `mtp_num_hidden_layers`); 0 if none."""
+  fields = text_fields(meta)
+  return int(fields.get("num_nextn_predict_layers") or fields.get("mtp_num_hidden_layers") or 0)
+
+
+def _read_config(folder: Path) -> dict | None:
+  try:
+    return json.loads((folder / "config.json").read_text())
+  except (OSError, ValueError):
+    return None
+
+
 def is_reference_folder(path) -> bool:
   """A folder with a config.json naming MTP layers (`num_nextn_predict_layers` or `mtp_num_hidden_layers`)."""
-  cfg = Path(path) / "config.json"
-  if not cfg.is_file():
-    return False
-  try:
-    meta = json.loads(cfg.read_text())
-  except ValueError:
-    return False
-  return bool(meta.get("num_nextn_predict_layers") or meta.get("mtp_num_hidden_layers"))
+  meta = _read_config(Path(path))
+  return meta is not None and mtp_layer_count(meta) > 0
+
+
+def _safetensors_files(folder: Path, what: str) -> list[Path]:
+  """The files its index.json names, else its *.safetensors; UserError when there are none."""
+  index = folder / "model.safetensors.index.json"
+  names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else None
+  files = sorted(folder / n for n in names) if names is not None else sorted(folder.glob("*.safetensors"))
+  absent = [f.name for f in files if not f.is_file()]
+  if not files or absent:
+    raise UserError(f"{what} has no safetensors file{' ' + str(absent) if absent else ''}")
+  return files
+
+
+def _is_mtp_name(name: str, n_target: int) -> bool:
+  """A tensor of an MTP layer: `mtp.*` (Qwen3-Next / Qwen3.5) or `model.layers.{>= n_target}.*` (DeepSeek-V3)."""
+  parts = name.split(".")
+  return parts[0] == "mtp" or (parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n_target)
+
+
+def read_mtp_tensors(folder: Path, what: str, n_target: int) -> tuple[dict, bool]:
+  """(tensors, whole): every tensor of a head folder, or, when the folder is a whole checkpoint
+  (`whole`: it holds the target's embedding too), its MTP layers' tensors alone."""
+  keys = _tensor_keys(folder, what)
+  whole = any(k in TARGET_EMBEDDINGS for _, k in keys)
+  return {k: f.get_tensor(k) for f, k in keys if not whole or _is_mtp_name(k, n_target)}, whole
+
+
+def _tensor_keys(folder: Path, what: str) -> list:
+  """(open file, tensor name) of every tensor of the folder's safetensors (headers only: nothing read)."""
+  from safetensors import safe_open
+  return [(f, k) for f in (safe_open(str(p), framework="numpy") for p in _safetensors_files(folder, what))
+          for k in f.keys()]
+
+
+def builtin_layers(target) -> tuple[Path | None, str]:
+  """(the folder, "") when the target's checkpoint carries its own MTP layers (a Qwen3.5 HF folder:
+  its config names them and its safetensors hold `mtp.*` tensors), else (None, why not)."""
+  name = getattr(target, "name", "") or "this target"
+  source = getattr(target, "source", "") or ""
+  if not source or not Path(source).is_dir():
+    return None, f"{name} is not an HF checkpoint folder with MTP layers of its own (a Qwen3.5 folder's mtp.* tensors)"
+  source = Path(source)
+  n = mtp_layer_count(_read_config(source) or {})
+  if n == 0:
+    return None, f"{name}'s config.json names no MTP layers of its own (mtp_num_hidden_layers)"
+  if not any(k.startswith("mtp.") for _, k in _tensor_keys(source, f"checkpoint {source}")):
+    return None, (f"{name}'s config.json names {n} MTP layer{'s' * (n > 1)} but its safetensors hold no mtp.* "
+                  "tensor (a checkpoint re-saved by transformers loses them)")
+  return source, ""
 
 
 def names_of(style: str, m: int, n_target_layers: int):
@@ -143,19 +218,21 @@ def export_reference(folder, heads, outs, cfg: ModelConfig, style: str, *, dtype
 
 
 def load_reference(folder, cfg: ModelConfig, dtype=None):
-  """(heads, outs, style, config.json) of a DeepSeek-V3 / Qwen3-Next layout folder for target
-  `cfg`; UserError naming a missing, misshapen or unknown tensor, or a head for another target."""
+  """(heads, outs, style, config.json text fields) of a DeepSeek-V3 / Qwen3-Next layout folder for
+  target `cfg`, or of a whole checkpoint's own MTP layers; UserError naming a missing, misshapen or
+  unknown tensor, or a head for another target."""
   from specjax.drafters.mtp import MTPHead
   folder = Path(folder)
   what = f"MTP head {folder}"
-  meta = json.loads((folder / "config.json").read_text())
+  meta = text_fields(json.loads((folder / "config.json").read_text()))
   bad = [f"{k} {meta[k]} != {v}" for k, v in (("hidden_size", cfg.d_model), ("vocab_size", cfg.vocab_size))
          if meta.get(k) is not None and meta[k] != v]
   if bad:
     raise UserError(f"{what} does not fit this target ({cfg.arch}): {', '.join(bad)}")
-  n = int(meta.get("num_nextn_predict_layers") or meta.get("mtp_num_hidden_layers"))
+  n = mtp_layer_count(meta)
   n_target = int(meta.get("num_hidden_layers", cfg.n_layers))
-  flat = read_safetensors(folder, what)
+  flat, whole = read_mtp_tensors(folder, what, n_target)
+  what = f"the MTP layers of checkpoint {folder}" if whole else what
   style = "qwen3_next" if any(k.startswith("mtp.") for k in flat) else "deepseek_v3"
   abstract = abstract_params(lambda: MTPHead(cfg, rngs=nnx.Rngs(0)))
   cast = (lambda x: jnp.asarray(x, dtype)) if dtype is not None else jnp.asarray

@@ -27,16 +27,28 @@ def _width(draft_params) -> int | None:
   return int(np.max(np.asarray(draft_params.n_max))) if draft_params is not None else None
 
 
-def _needs_head(spec: SpeculatorSpec, target) -> UserError:
-  """The error for a head speculator without a head, naming a committed head for this target when
-  the checkout has one."""
+def _needs_head(spec: SpeculatorSpec, target, why: str = "") -> UserError:
+  """The error for a head speculator without a head (`why` says more), naming a committed head for
+  this target when the checkout has one."""
   model, hint = str(getattr(target, "name", "") or "").lower(), ""
   for key, rel in spec.committed_heads.items():
     if model.startswith(key) and (_ASSETS / rel).is_file():
       hint = f"; for {key} a trained one is committed: --head {os.path.relpath(_ASSETS / rel)}"
   from specjax.drafters.head_file import HEAD_KINDS
   what = HEAD_KINDS[spec.head_format].split(" ", 1)[1]          # "an MTP head" -> "MTP head"
-  return UserError(f"speculator {spec.name!r} needs a trained {what} (--head PATH){hint}")
+  return UserError(f"speculator {spec.name!r} needs a trained {what} (--head PATH){'; ' + why if why else ''}{hint}")
+
+
+def _own_head(spec: SpeculatorSpec, target):
+  """The head of a head speculator asked for without one: for `mtp`, the target checkpoint's own
+  MTP layers (a Qwen3.5 folder's `mtp.*` tensors) where it has them; otherwise the error."""
+  if spec.name != "mtp":
+    raise _needs_head(spec, target)
+  from specjax.drafters.mtp_reference import builtin_layers
+  folder, why = builtin_layers(target)
+  if folder is None:
+    raise _needs_head(spec, target, why)
+  return folder
 
 
 # --- builders: (target, *, draft_model, draft_params, head, **options) -> Drafter ----------------
@@ -298,7 +310,7 @@ def make_speculator(spec: Any, target, *, draft_model=None, draft_params=None, o
     return Chain(members, policy=policy)
   s = get(names_[0])
   if s.head_format and head is None:
-    raise _needs_head(s, target)
+    head = _own_head(s, target)
   return s.build(target, draft_model=draft_model, draft_params=draft_params, head=head, **per_name[names_[0]])
 
 

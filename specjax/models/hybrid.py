@@ -87,6 +87,12 @@ class HybridBlock(nnx.Module):
     """The MLP half: x + mlp(norm(x)), x [B, T, d_model] being the stream after the token mixer."""
     return x + self.mlp(self.post_attention_layernorm(x))
 
+  def __call__(self, x, positions, write_kv, masks):
+    """A full-attention block run on its own (an MTP layer; `_run_layers` runs the target's blocks):
+    x [B, T, d_model] -> (x' [B, T, d_model], (k_all, v_all)); masks as `attention_masks` makes them."""
+    out, kv = self.self_attn(self.input_layernorm(x), positions, write_kv, masks["full"])
+    return self.ffn(x + out), kv
+
 
 class HybridLM(nnx.Module):
   def __init__(self, cfg: HybridConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -99,7 +105,10 @@ class HybridLM(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Final norm + LM head. h [B, T, d_model] (pre-norm) -> [B, T, V] float32."""
-    h = self.norm(h)
+    return self.head(self.norm(h))
+
+  def head(self, h: jax.Array) -> jax.Array:
+    """The LM head alone. h [B, T, d_model] (normed) -> [B, T, V] float32."""
     w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...].T
     return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -254,10 +263,24 @@ class HybridTarget:
     return rollback_redecode(params, cfg, before, after, tokens, n_keep)
 
 
+# The target's pieces for drafters (the same functions `specjax.models.decoder` gives its family).
+
+
 def logits_from_prenorm(params, cfg: HybridConfig, h):
   """Target's final norm + LM head applied to pre-norm hidden states h [B, T, d_model]."""
   return model_of(params, cfg).logits(h)
 
 
+def final_norm(params, cfg: HybridConfig, h):
+  """Target's final norm alone. h [B, T, d_model] -> [B, T, d_model]."""
+  return model_of(params, cfg).norm(h)
+
+
+def lm_head_logits(params, cfg: HybridConfig, h):
+  """Target's LM head alone (no final norm) on h [B, T, d_model] -> [B, T, V] float32."""
+  return model_of(params, cfg).head(h)
+
+
 def embed_tokens(params, cfg: HybridConfig, tokens):
+  """Target's token embedding. tokens [B, T] -> [B, T, d_model] float32."""
   return model_of(params, cfg).embed_tokens(tokens).astype(jnp.float32)

@@ -55,6 +55,11 @@ class HybridConfig:
     return self.head_dim ** -0.5
 
   @property
+  def norm_offset(self) -> bool:
+    """RMSNorm weights are applied as (1 + w) (Gemma-style), as `ModelConfig.norm_offset` says."""
+    return True
+
+  @property
   def attn_layers(self) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(self.layer_types) if t == "full")
 
