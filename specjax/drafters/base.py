@@ -66,6 +66,8 @@ class Drafter:
   commit_free: `commit` changes nothing, so adaptive drafting may run rounds without the drafter.
   replayable: `propose_at(history, at)` drafts from the history alone, so adaptive drafting can
     replay what each width would have accepted.
+  budgeted: a tree drafter whose `propose_budget(.., n_nodes)` drafts its best n_nodes nodes (the
+    nodes of rank < n_nodes of its full tree), so adaptive drafting can choose the node budget.
   cross_request_memory: state outlives a request by design (a shared table, a global suffix tree);
     the bench harness snapshots it so repeats measure the same drafter.
   """
@@ -74,6 +76,7 @@ class Drafter:
   proposes_tree: ClassVar[bool] = False
   commit_free: ClassVar[bool] = False
   replayable: ClassVar[bool] = False
+  budgeted: ClassVar[bool] = False
   cross_request_memory: ClassVar[bool] = False
   max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget `n_nodes`)
 
@@ -102,6 +105,12 @@ class DeviceDrafter(Drafter):
   def propose_at(self, history, at):
     """Replayable drafters: the draft after `history[:at]`, from the history alone."""
     raise NotImplementedError(f"{self.name} is not replayable")
+
+  def propose_budget(self, dparams, dstate, ctx: DraftContext, n_nodes: int):
+    """Budgeted tree drafters: the tree of its best `n_nodes` (static, <= max_draft) nodes, with
+    their ranks (`TreeDraft.rank`); at 0 an empty chain `Draft` [B, 0], after only what `commit`
+    needs (adaptive drafting backs off to rounds that verify `last` alone)."""
+    raise NotImplementedError(f"{self.name} has no node budget to choose")
 
   def end_device(self, dstate) -> None:
     """After a request: keep what outlives it (drafters with cross-request memory). No-op here."""

@@ -19,6 +19,10 @@ The candidates are a function of the context only (no sampling), so they go to v
 q = None (one-hot): lossless for greedy and for sampled targets (`specjax/engine/tree.py`). `commit` is
 DFlash's: the engine hands back the target's taps along [last, accepted path...], the committed
 positions base .. base + n_accepted, exactly what a chain's accepted prefix gives.
+
+Adaptive drafting asks for smaller budgets (`propose_budget`): the best n nodes lie at most n levels
+deep, so a budget-n tree reads min(depth, n) positions and is the nodes of rank < n of the full
+tree; at budget 0 there is no DFlash pass at all (the window is filled by `commit`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 from specjax.drafters.base import DraftContext
 from specjax.drafters.dflash import DFlashDrafter, DFlashState, drafter_for_target
 from specjax.engine.sampling import split_keys
-from specjax.engine.tree import TreeDraft, best_nodes, n_candidates, node_budget
+from specjax.engine.tree import TreeDraft, best_nodes, empty_draft, n_candidates, node_budget, score_rank
 
 
 def best_first_tree(level_logprobs: jax.Array, top_k: int, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -69,7 +73,8 @@ class DFlashTreeDrafter(DFlashDrafter):
   depth: int = 8
   top_k: int = 8
   name: str = "dflash_tree"
-  proposes_tree = True            # class attribute: the engine verifies a TreeDraft
+  proposes_tree = True            # class attributes: the engine verifies a TreeDraft,
+  budgeted = True                 # and adaptive drafting may ask for fewer nodes (`propose_budget`)
 
   def __post_init__(self):
     if not 1 <= self.depth <= self.dc.block_size - 1:
@@ -87,13 +92,21 @@ class DFlashTreeDrafter(DFlashDrafter):
     return self.depth
 
   def propose(self, dparams, dstate: DFlashState, ctx: DraftContext) -> tuple[TreeDraft, DFlashState]:
-    logits = self.logits(dparams, dstate, ctx.last, ctx.target_len, n_positions=self.depth)   # [B, D, V]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # [B, D, V]
-    tokens, parents, _ = best_first_tree(logp, self.top_k, self.max_draft)          # [B, T] x2
+    return self.propose_budget(dparams, dstate, ctx, self.max_draft)
+
+  def propose_budget(self, dparams, dstate: DFlashState, ctx: DraftContext, n_nodes: int):
+    """The tree of the best `n_nodes` nodes over min(depth, n_nodes) positions, ranked by score; at 0
+    no pass."""
     keys, _ = split_keys(dstate.keys)                                               # the sampler stream moves as the chain's
-    n_nodes = jnp.where(ctx.n_max > 0, self.max_draft, 0).astype(jnp.int32)     # [B] 0: no drafting
-    return (TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes),
-            dataclasses.replace(dstate, keys=keys, base=ctx.target_len))
+    state = dataclasses.replace(dstate, keys=keys, base=ctx.target_len)
+    if n_nodes == 0:
+      return empty_draft(ctx.last.shape[0]), state
+    depth = min(self.depth, n_nodes)
+    logits = self.logits(dparams, dstate, ctx.last, ctx.target_len, n_positions=depth)   # [B, D, V]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)                 # [B, D, V]
+    tokens, parents, scores = best_first_tree(logp, self.top_k, n_nodes)            # [B, T] x3
+    n = jnp.where(ctx.n_max > 0, n_nodes, 0).astype(jnp.int32)                      # [B] 0: no drafting
+    return TreeDraft(tokens=tokens, parents=parents, n_nodes=n, rank=score_rank(scores)), state
 
 
 def make_dflash_tree_drafter(target, head, draft_params=None, *, depth: int = 8, top_k: int = 8,

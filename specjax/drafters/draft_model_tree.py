@@ -15,6 +15,10 @@ tokens it lacks (the accepted path and `last`: at most depth + 1, a fixed window
 count), then scores the tree level by level: each level is one forward of all T nodes at tree
 positions with the ancestor mask, written past the committed length and never committed (n_new = 0).
 `commit` has nothing to do: the next `propose` catches up from the history.
+
+Adaptive drafting asks for smaller budgets (`propose_budget`): the first n nodes of the layout (its
+rank is the node index); at budget 0 `propose` only catches up, so the draft cache never falls
+behind the bounded catch-up window.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from specjax.drafters.base import DeviceDrafter, DraftContext, RoundResult
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
 from specjax.models.kv_cache import KVCache
-from specjax.engine.tree import TreeDraft, tree_shape
+from specjax.engine.tree import TreeDraft, empty_draft, tree_shape
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +62,7 @@ class DraftModelTreeDrafter(DeviceDrafter):
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   name: str = "draft_tree"
   proposes_tree: ClassVar[bool] = True
+  budgeted: ClassVar[bool] = True       # adaptive drafting may ask for fewer nodes (`propose_budget`)
   taps: tuple[int, ...] = ()
 
   def __post_init__(self):
@@ -89,20 +94,35 @@ class DraftModelTreeDrafter(DeviceDrafter):
     return DraftTreeState(cache=cache)
 
   def propose(self, dparams, dstate: DraftTreeState, ctx: DraftContext) -> tuple[TreeDraft, DraftTreeState]:
-    b, k, kept = ctx.last.shape[0], self.top_k, self.max_draft
-    sizes = level_sizes(k, self.width, self.depth)
-    starts = [sum(sizes[:d]) for d in range(self.depth)]
-    t = sum(sizes)                                                                  # the whole layout
-    cache = dstate.cache
-    # Catch up on the committed tokens the draft cache lacks: history[Ld .. Lt] (`last` included).
+    return self.propose_budget(dparams, dstate, ctx, self.max_draft)
+
+  def propose_budget(self, dparams, dstate: DraftTreeState, ctx: DraftContext, n_nodes: int):
+    """The first `n_nodes` nodes of the layout (levels past them are not drafted); at 0 the catch-up alone."""
+    at_last, cache = self._catch_up(dparams, dstate.cache, ctx)
+    if n_nodes == 0:
+      return empty_draft(ctx.last.shape[0]), DraftTreeState(cache=cache)
+    tokens, parents = self._levels(dparams, cache, ctx, at_last, n_nodes)
+    n = jnp.where(ctx.n_max > 0, n_nodes, 0).astype(jnp.int32)                    # [B] 0: no drafting
+    return TreeDraft(tokens=tokens[:, :n_nodes], parents=parents[:, :n_nodes], n_nodes=n), DraftTreeState(cache=cache)
+
+  def _catch_up(self, dparams, cache: KVCache, ctx: DraftContext):
+    """Feed the committed tokens the draft cache lacks: history[Ld .. Lt] (`last` included).
+    -> (logits after `last` [B, V], cache)."""
     missing = jnp.maximum(ctx.target_len + 1 - cache.lengths, 0)                    # [B] in 0..depth+1
     window = self.depth + 1
     cols = cache.lengths[:, None] + jnp.arange(window)[None, :]
     feed = jnp.take_along_axis(ctx.history, jnp.minimum(cols, ctx.history.shape[1] - 1), axis=1)   # [B, D+1]
     logits, _, cache = forward(dparams, self.cfg, feed, cache, n_new=missing)       # [B, D+1, V]
-    at_last = jnp.take_along_axis(logits, jnp.maximum(missing - 1, 0)[:, None, None], axis=1)[:, 0]   # [B, V]
-    logp, tok = jax.lax.top_k(jax.nn.log_softmax(at_last.astype(jnp.float32), axis=-1), k)   # [B, k]
+    return jnp.take_along_axis(logits, jnp.maximum(missing - 1, 0)[:, None, None], axis=1)[:, 0], cache
 
+  def _levels(self, dparams, cache: KVCache, ctx: DraftContext, at_last, kept: int):
+    """The layout's levels while they start within the first `kept` nodes: top-k after `last`, then
+    the top-k children of each level's best `width` nodes. -> (tokens [B, T], parents [B, T])."""
+    b, k = ctx.last.shape[0], self.top_k
+    sizes = level_sizes(k, self.width, self.depth)
+    starts = [sum(sizes[:d]) for d in range(self.depth)]
+    t = sum(sizes)                                                                  # the whole layout
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(at_last.astype(jnp.float32), axis=-1), k)   # [B, k]
     tokens = jnp.zeros((b, t), jnp.int32).at[:, :k].set(tok)
     parents = jnp.full((b, t), -1, jnp.int32)
     score = jnp.full((b, t), -jnp.inf, jnp.float32).at[:, :k].set(logp)             # cumulative log-prob
@@ -112,8 +132,7 @@ class DraftModelTreeDrafter(DeviceDrafter):
       if starts[d] >= kept:                                                         # past the node budget
         break
       prev, n_prev = starts[d - 1], sizes[d - 1]
-      shape = tree_shape(parents, jnp.full((b,), t, jnp.int32))
-      mask = shape.ancestors                                                        # [B, T, T]
+      mask = tree_shape(parents, jnp.full((b,), t, jnp.int32)).ancestors            # [B, T, T]
       logits, _, _ = forward(dparams, self.cfg, tokens, cache, positions=positions, n_new=jnp.zeros((b,), jnp.int32),
                              attn_mask=mask)                                        # [B, T, V]
       lp = jax.nn.log_softmax(logits[:, prev:prev + n_prev].astype(jnp.float32), axis=-1)   # [B, n_prev, V]
@@ -124,9 +143,7 @@ class DraftModelTreeDrafter(DeviceDrafter):
       tokens = tokens.at[:, start:start + sizes[d]].set(child_tok.reshape(b, -1))
       parents = parents.at[:, start:start + sizes[d]].set(jnp.repeat(prev + best, k, axis=1))
       score = score.at[:, start:start + sizes[d]].set((best_score[:, :, None] + child_lp).reshape(b, -1))
-    n_nodes = jnp.where(ctx.n_max > 0, kept, 0).astype(jnp.int32)                 # [B] 0: no drafting
-    return (TreeDraft(tokens=tokens[:, :kept], parents=parents[:, :kept], n_nodes=n_nodes),
-            DraftTreeState(cache=cache))
+    return tokens, parents
 
   def commit(self, dparams, dstate: DraftTreeState, result: RoundResult) -> DraftTreeState:
     return dstate     # the cache holds committed tokens only; `propose` catches up from the history

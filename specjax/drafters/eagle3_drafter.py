@@ -24,6 +24,9 @@ k x k of which become candidates, for `depth` levels; the `max_draft` best candi
 log-probability (the node budget, the speculator's `n_nodes` option) form the tree (ancestor-closed:
 a child never scores above its parent, and ties go to the earlier, parent, index). Candidates are
 deterministic, so the tree has no q (the verifier treats each as one-hot: lossless under sampling).
+Adaptive drafting asks for smaller budgets (`propose_budget`): the best n candidates lie at most n
+levels deep, so a budget-n tree drafts min(depth, n) levels and is the nodes of rank < n of the
+full tree; at budget 0 only the root entry is written (what `commit` needs).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import numpy as np
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.eagle3 import Eagle3Config, head_module, head_step, load_head
 from specjax.engine.sampling import split_keys
-from specjax.engine.tree import TreeDraft, best_nodes, n_candidates, node_budget
+from specjax.engine.tree import TreeDraft, best_nodes, empty_draft, n_candidates, node_budget, score_rank
 from specjax.models.decoder import embed_tokens
 from specjax.models.kv_cache import KVCache
 
@@ -164,7 +167,8 @@ class Eagle3TreeDrafter(Eagle3Drafter):
   depth: int = 6
   top_k: int = 8
   name: str = "eagle3_tree"
-  proposes_tree = True            # class attribute: the engine verifies a TreeDraft
+  proposes_tree = True            # class attributes: the engine verifies a TreeDraft,
+  budgeted = True                 # and adaptive drafting may ask for fewer nodes (`propose_budget`)
 
   def __post_init__(self):
     if self.depth < 1 or self.top_k < 1:
@@ -186,10 +190,12 @@ class Eagle3TreeDrafter(Eagle3Drafter):
   def extra_slots(self) -> int:
     return (self.depth - 1) * self.top_k
 
-  def propose_tree(self, dparams, dstate: Eagle3State, ctx: DraftContext):
-    """-> (tokens [B, T] target ids, parents [B, T], n_nodes [B], scores [B, T], state)."""
+  def propose_tree(self, dparams, dstate: Eagle3State, ctx: DraftContext, budget: int | None = None):
+    """The best `budget` (default max_draft) nodes, from min(depth, budget) levels. -> (tokens [B, T]
+    target ids, parents [B, T], n_nodes [B], scores [B, T], state)."""
     hp, d2t, tp = _weights(dparams)
-    b, kk, t = ctx.last.shape[0], self.top_k, self.max_draft
+    b, kk, t = ctx.last.shape[0], self.top_k, self.max_draft if budget is None else budget
+    depth = min(self.depth, t)
     head = head_module(hp, self.hc)
     base_pos = ctx.target_len - 1                                                  # [B] the root's position
     out, cache = self._root(dparams, dstate, ctx)
@@ -203,7 +209,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
     vis = slot < root_len[:, None, None]                                          # [B, 1, S] committed + root
     f_parent = jnp.zeros((b, kk), jnp.int32)
     offset = kk
-    for lvl in range(1, self.depth):
+    for lvl in range(1, depth):
       start = root_len + (lvl - 1) * kk                                            # [B] slots of this level's entries
       own = slot == (start[:, None] + jnp.arange(kk, dtype=jnp.int32)[None, :])[:, :, None]   # [B, k, S]
       vis = jnp.take_along_axis(vis, f_parent[:, :, None], axis=1) | own if lvl > 1 else vis | own
@@ -216,7 +222,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
       pool_tok.append(c_tok)
       pool_score.append(c_score)
       pool_parent.append(jnp.repeat(f_pool, kk, axis=1))
-      if lvl < self.depth - 1:
+      if lvl < depth - 1:
         f_score, pick = jax.lax.top_k(c_score, kk)                                  # [B, k] next frontier
         f_parent = pick // kk                                                       # index among this level's nodes
         f_tok = jnp.take_along_axis(c_tok, pick, axis=1)
@@ -230,8 +236,15 @@ class Eagle3TreeDrafter(Eagle3Drafter):
     return d2t[draft_ids], parents, n_nodes, scores, state
 
   def propose(self, dparams, dstate: Eagle3State, ctx: DraftContext):
-    tokens, parents, n_nodes, _, state = self.propose_tree(dparams, dstate, ctx)
-    return TreeDraft(tokens=tokens, parents=parents, n_nodes=n_nodes), state
+    return self.propose_budget(dparams, dstate, ctx, self.max_draft)
+
+  def propose_budget(self, dparams, dstate: Eagle3State, ctx: DraftContext, n_nodes: int):
+    """The tree of the best `n_nodes` nodes, ranked by score; at 0 the root entry alone."""
+    if n_nodes == 0:
+      _, cache = self._root(dparams, dstate, ctx)
+      return empty_draft(ctx.last.shape[0]), dataclasses.replace(dstate, cache=cache, base=ctx.target_len)
+    tokens, parents, n, scores, state = self.propose_tree(dparams, dstate, ctx, n_nodes)
+    return TreeDraft(tokens=tokens, parents=parents, n_nodes=n, rank=score_rank(scores)), state
 
 
 def make_eagle3_drafter(target, head, draft_params=None, *, tree: bool = False, hc: Eagle3Config | None = None,

@@ -26,7 +26,7 @@ from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
 from specjax.engine.stats import RoundStats
-from specjax.engine.tree import (TreeDraft, accept_tree, compact_path, max_depth_of, tree_attention_mask,
+from specjax.engine.tree import (TreeDraft, accept_tree, compact_path, max_depth_of, path_rank, tree_attention_mask,
                                  tree_positions, tree_shape)
 from specjax.engine.verify import accept_drafts
 from specjax.models.decoder import DecoderTarget
@@ -40,6 +40,8 @@ class RoundSpec:
     host (host drafters) or there is none (plain decoding).
   width: chain draft tokens verified per round (<= drafter.max_draft); None: the drafter's own K.
     Width 0 with a commit-free drafter is the plain decoding step (no drafting, no verification).
+    Trees: the node budget of the round (a `budgeted` drafter drafts its best `width` nodes; 0: no
+    tree, the drafter does only what its commit needs and the round verifies `last` alone).
   """
   cfg: Any
   drafter: Any = None
@@ -103,11 +105,14 @@ class Verdict:
   taps: dict                  # target hidden states at `path`: "prenorm" [B, W+1, d], "layers"
   live: jax.Array             # [B] bool: the sequence was live this round
   n_out: jax.Array            # [B] tokens emitted (after stop-token / budget cuts)
+  path_rank: jax.Array | None = None   # trees: [B, D] the drafter's rank of the accepted node at each depth
+                                       # (-1 past the path): what smaller node budgets would have accepted
 
 
 def draft_budget(spec: RoundSpec, inp: RoundInputs, state: GenState) -> jax.Array:
-  """[B] tokens each sequence may draft this round: its n_max, capped at the round's width, 0 once done."""
-  n_max = inp.dp["n_max"] if spec.width is None else jnp.minimum(inp.dp["n_max"], spec.width)
+  """[B] tokens each sequence may draft this round: its n_max, capped at a chain round's width, 0 once
+  done (a tree's n_max caps its depth, not its node budget)."""
+  n_max = inp.dp["n_max"] if spec.width is None or spec.proposes_tree else jnp.minimum(inp.dp["n_max"], spec.width)
   return jnp.where(state.done, 0, n_max)
 
 
@@ -191,7 +196,7 @@ def verify_tree(spec: RoundSpec, inp: RoundInputs, state: GenState, tree: TreeDr
   state, n_out = emit(state, emitted, jnp.where(live, n_acc + 1, 0), inp.stop_ids, inp.max_new)
   n_verified = jnp.sum(valid, axis=1, dtype=jnp.int32)                              # [B]
   return state, Verdict(n_accepted=n_acc, next_token=nxt, n_verified=n_verified, reach=reach, path=on_path,
-                        taps=tapped, live=live, n_out=n_out)
+                        taps=tapped, live=live, n_out=n_out, path_rank=path_rank(tree, path))
 
 
 def _plain_step(spec: RoundSpec, inp: RoundInputs, state: GenState) -> tuple[GenState, Verdict]:
@@ -210,10 +215,24 @@ def _pad_to(x, width: int):
 
 
 def _round_result(spec: RoundSpec, v: Verdict) -> RoundResult:
-  """What the drafter's commit sees; chain arrays keep the drafter's K+1 width at every round width."""
-  pad = (lambda x: x) if spec.proposes_tree else (lambda x: _pad_to(x, spec.drafter.max_draft + 1))
+  """What the drafter's commit sees; arrays keep the drafter's width at every round width: K+1 for a
+  chain, D+1 for a tree (a tree round at node budget 0 verifies `last` alone)."""
+  width = (max_depth_of(spec.drafter) if spec.proposes_tree else spec.drafter.max_draft) + 1
+  pad = lambda x: _pad_to(x, width)
   return RoundResult(n_accepted=v.n_accepted, next_token=v.next_token, verified=pad(v.path),
                      prenorm=pad(v.taps["prenorm"]), layer_taps=tuple(pad(h) for h in v.taps["layers"]), live=v.live)
+
+
+def _propose(spec: RoundSpec, inp: RoundInputs, dstate, state: GenState):
+  """The device drafter's draft for the round: a chain cut to the round's width, or a tree at the
+  round's node budget (an empty chain at budget 0)."""
+  ctx = _context(spec, inp, state)
+  if not spec.proposes_tree:
+    draft, dstate = spec.drafter.propose(inp.dparams, dstate, ctx)
+    return _narrow(draft, spec.width), dstate
+  if spec.width is None or spec.width == spec.drafter.max_draft:
+    return spec.drafter.propose(inp.dparams, dstate, ctx)
+  return spec.drafter.propose_budget(inp.dparams, dstate, ctx, spec.width)
 
 
 def run_round(spec: RoundSpec, inp: RoundInputs, carry: Carry, host_draft: Draft | None = None) -> tuple[Carry, Verdict]:
@@ -228,9 +247,8 @@ def run_round(spec: RoundSpec, inp: RoundInputs, carry: Carry, host_draft: Draft
   else:
     draft = host_draft
     if draft is None:
-      draft, dstate = spec.drafter.propose(inp.dparams, dstate, _context(spec, inp, state))
-      draft = draft if spec.proposes_tree else _narrow(draft, spec.width)
-    verify = verify_tree if spec.proposes_tree else verify_chain
+      draft, dstate = _propose(spec, inp, dstate, state)
+    verify = verify_tree if isinstance(draft, TreeDraft) else verify_chain
     state, verdict = verify(spec, inp, state, draft)
     if host_draft is None:
       dstate = spec.drafter.commit(inp.dparams, dstate, _round_result(spec, verdict))

@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import Draft
 from specjax.models.kv_cache import KVCache
 
 
@@ -40,6 +41,9 @@ class TreeDraft:
   n_nodes: jax.Array              # [B] int32 valid nodes; nodes >= n_nodes are padding (never accepted)
   q: jax.Array | None = None      # [B, T, V] float32 draft distribution each node was drawn from (at its
                                   # parent, shaped by the sequence's sampling params); None = one-hot
+  rank: jax.Array | None = None   # [B, T] int32 each node's place in the drafter's order of preference: its
+                                  # tree at node budget n is the nodes of rank < n (`score_rank`); None = the
+                                  # node index (a layout whose first n nodes are its budget-n tree)
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +85,30 @@ def best_nodes(pool_tok, pool_score, pool_parent, budget: int):
   parents = jnp.where(par_pool < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(par_pool, 0), axis=1))
   return (jnp.take_along_axis(pool_tok, chosen, axis=1), parents.astype(jnp.int32),
           jnp.take_along_axis(pool_score, chosen, axis=1))
+
+
+def empty_draft(batch: int) -> Draft:
+  """A tree round's draft at node budget 0: no token (the round verifies `last` alone)."""
+  return Draft(tokens=jnp.zeros((batch, 0), jnp.int32), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def score_rank(scores: jax.Array) -> jax.Array:
+  """[B, T] int32 rank of each node of a best-first tree by its score [B, T] (0 = the best; ties: the
+  lower index first, as `best_nodes` chose them): the tree of the best n nodes is the nodes of
+  rank < n, at any n up to T."""
+  t = scores.shape[1]
+  idx = jnp.arange(t)
+  better = (scores[:, None, :] > scores[:, :, None]) | (
+      (scores[:, None, :] == scores[:, :, None]) & (idx[None, :] < idx[:, None])[None])   # [B, T, T] j before i
+  return jnp.sum(better, axis=2, dtype=jnp.int32)
+
+
+def path_rank(tree: TreeDraft, path: jax.Array) -> jax.Array:
+  """[B, D] int32 rank (`TreeDraft.rank`) of the accepted path's node at each depth; -1 past the path
+  (path [B, D] node indices, -1 past it)."""
+  rank = tree.rank if tree.rank is not None else jnp.broadcast_to(
+      jnp.arange(tree.tokens.shape[1], dtype=jnp.int32)[None], tree.tokens.shape)
+  return jnp.where(path >= 0, jnp.take_along_axis(rank, jnp.maximum(path, 0), axis=1), -1)
 
 
 def max_depth_of(drafter) -> int:
