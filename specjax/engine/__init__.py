@@ -45,9 +45,9 @@ class SpecResult:
     return self.n_generated / max(self.seconds, 1e-9)
 
 
-def _adaptive_costs(adaptive, params, cfg, b, cap, k, lens):
+def _adaptive_costs(adaptive, params, cfg, b, cap, k, lens, tree):
   """Round cost per width (ms): the config's, else the forward-only calibration (cached per shape)."""
-  widths = adaptive.widths_for(k)
+  widths = adaptive.widths_for(k, tree=tree)
   costs = (np.asarray(adaptive.costs, np.float32) if adaptive.costs is not None else
            adapt.calibrate(params, cfg, b, cap, widths, context=int(np.max(lens))))
   if len(costs) != len(widths):
@@ -62,7 +62,8 @@ def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, w
   if not adaptive:
     return device_loop(spec, inp, carry), None
   b = tokens.shape[0]
-  key = adapt.cost_key(inp.params, spec.cfg, b, cap, adaptive.widths_for(spec.drafter.max_draft))
+  key = adapt.cost_key(inp.params, spec.cfg, b, cap, adaptive.widths_for(spec.drafter.max_draft, tree=spec.proposes_tree),
+                       drafter=spec.drafter if spec.proposes_tree else None)
   return adaptive_loop(spec, inp, carry, ac=adaptive, costs=costs, warm=warm_widths, cost_key=key)
 
 
@@ -82,7 +83,7 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   cap = plan_capacity(tokens.shape[1], max_new_tokens, k + 1, capacity)
   history_len = cap if capacity is not None else tokens.shape[1] + max_new_tokens + k + 2
   adaptive = adapt.AdaptiveConfig() if adaptive is True else adaptive
-  costs = _adaptive_costs(adaptive, params, cfg, b, cap, k, lens) if adaptive else None
+  costs = _adaptive_costs(adaptive, params, cfg, b, cap, k, lens, drafter.proposes_tree) if adaptive else None
   inp = RoundInputs(params=params, dparams=drafter.params() if drafter.on_device else (), sampling=sampling, dp=dp,
                     stop_ids=jnp.asarray(list(stop_ids) or [-1], jnp.int32),
                     max_new=jnp.full((b,), max_new_tokens, jnp.int32))

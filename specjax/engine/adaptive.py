@@ -25,6 +25,10 @@ only a forward-only first estimate). tau_i(w), expected tokens per round:
   figure by `prior_rounds` rounds; nothing needs exploring and plain-decoding segments still learn.
   Replay, not the geometric model below, because for n-gram drafters the geometric model
   over-predicts wide widths and keeps the loop at a width that runs slower than a narrow one.
+- trees (`adaptive_tree`): the width is the node budget (a budget-w tree is the best w nodes of a
+  wider one), so every round at budget b shows what each budget w <= b would have accepted, read
+  off the ranks of the accepted path's nodes; the first segment explores the widest budget, every
+  `explore_every`-th the budget one above the chosen one.
 - otherwise censored-geometric per sequence: alpha_i = accepted / (accepted + rejections), decayed
   per segment, tau = 1 + alpha + .. + alpha^w; positions beyond the chosen width get no evidence, so
   the first segment and every `explore_every`-th is a short one (`explore_rounds`) at the widest width.
@@ -73,7 +77,9 @@ class AdaptiveConfig:
   optimism: float = 0.5           # host loop: the width choice reads p_j + optimism / sqrt(n_j) (n_j: decayed
                                   # draft positions observed), so a few early rounds with no n-gram match
                                   # yet do not lock the controller into width 0
-  widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K)
+  widths: tuple[int, ...] | None = None   # verification widths to choose from (default 0, 1, 2, 4, .., K; trees:
+                                          # node budgets, default 0, tree_min_nodes, 2x, .., n_nodes)
+  tree_min_nodes: int = 4         # trees: the smallest node budget above 0 of the default ladder
   costs: tuple[float, ...] | None = None  # ms per width, given instead of measured (`calibrate`)
   segment_rounds: int = 16        # device loop: rounds per segment; the width is chosen per segment, on the
                                   # device (segments driven from the host cost milliseconds each beyond
@@ -89,11 +95,12 @@ class AdaptiveConfig:
                                   # ties by default: a few percent let width 1 win over plain decoding at
                                   # batch 32, where it ran slower (experiments/README.md, adaptive drafting)
 
-  def widths_for(self, k: int) -> tuple[int, ...]:
+  def widths_for(self, k: int, tree: bool = False) -> tuple[int, ...]:
+    """The widths (trees: node budgets) to choose from for a drafter of K tokens (nodes), ascending."""
     if self.widths is not None:
       ws = sorted({min(int(w), k) for w in self.widths} | {0})
     else:
-      ws, w = {0, k}, 1
+      ws, w = {0, k}, max(1, min(self.tree_min_nodes, k)) if tree else 1
       while w < k:
         ws.add(w)
         w *= 2
@@ -209,9 +216,11 @@ class PositionRates:
 _COSTS: dict = {}
 
 
-def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...]) -> tuple:
+def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], drafter=None) -> tuple:
+  """What timed costs are cached under. `drafter` (trees pass theirs: a tree's drafting is much of a
+  small budget's round, and trees share their budget ladders) keys them per drafter too."""
   dtype = jax.tree_util.tree_leaves(params)[0].dtype
-  return (cfg, batch, capacity, widths, str(dtype), jax.default_backend())
+  return (cfg, batch, capacity, widths, str(dtype), jax.default_backend()) + ((drafter,) if drafter is not None else ())
 
 
 TIMED: set = set()        # shapes whose cached costs are timed whole rounds (not `calibrate`'s forwards)

@@ -9,8 +9,10 @@ No host round trip between segments.
 
 Expected tokens per round come from replaying the produced stream (`adaptive_replay`) for
 replayable point-mass drafters (every width, plain decoding included, is evaluated on every
-segment, so nothing needs exploring), otherwise from the censored-geometric acceptance per
-sequence, refreshed by a short segment at the widest width every `ac.explore_every` segments.
+segment, so nothing needs exploring); for tree drafters the width is the node budget and every
+round tallies what each smaller budget would have accepted (`adaptive_tree`); otherwise from the
+censored-geometric acceptance per sequence, refreshed by a short segment at the widest width every
+`ac.explore_every` segments.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import numpy as np
 
 from specjax.engine import adaptive as adapt
 from specjax.engine.adaptive_replay import ReplayState, replay_segment
+from specjax.engine.adaptive_tree import BudgetTally, choose_budget, rounds_tallied
 from specjax.engine.loops import device_loop, rounds_at
 from specjax.engine.round import Carry, RoundInputs, RoundSpec
+from specjax.errors import UserError
 
 ADAPTIVE_LOG = 512      # segments whose [width, rounds] are recorded for the run's report
 
@@ -37,6 +41,7 @@ class Control:
   """What the device controller carries between segments."""
   replay: ReplayState      # replayed acceptance per width (replayable drafters)
   acceptance: adapt.AdaptiveState   # censored-geometric acceptance per sequence (other drafters)
+  budgets: BudgetTally     # tokens per round each node budget would have given (tree drafters)
   segment: jax.Array       # [] int32 segments run
   total: jax.Array         # [] int32 rounds run
   log_width: jax.Array     # [L] int32 width index of each segment (the last slot collects the rest)
@@ -45,13 +50,15 @@ class Control:
   @staticmethod
   def init(carry: Carry, ac, n_widths: int) -> "Control":
     z = jnp.zeros((ADAPTIVE_LOG,), jnp.int32)
-    return Control(replay=ReplayState.init(carry.state.hist_len, n_widths),
-                   acceptance=adapt.AdaptiveState.init(carry.state.last.shape[0], ac),
-                   segment=jnp.int32(0), total=jnp.int32(0), log_width=z, log_rounds=z)
+    b = carry.state.last.shape[0]
+    return Control(replay=ReplayState.init(carry.state.hist_len, n_widths), acceptance=adapt.AdaptiveState.init(b, ac),
+                   budgets=BudgetTally.init(n_widths, b), segment=jnp.int32(0), total=jnp.int32(0), log_width=z,
+                   log_rounds=z)
 
 
 def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
-  widths = ac.widths_for(spec.drafter.max_draft)
+  """The widths (trees: node budgets) the loop chooses from, or those of them at indices `keep`."""
+  widths = ac.widths_for(spec.drafter.max_draft, tree=spec.proposes_tree)
   return widths if keep is None else tuple(widths[i] for i in keep)
 
 
@@ -63,6 +70,8 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
     tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
     rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
     wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
+  elif spec.proposes_tree:
+    wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac)
   else:
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     explore = ctl.segment % ac.explore_every == 0
@@ -74,19 +83,34 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
 
 
 def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran) -> Control:
-  """The controller after a segment: replayed acceptance, or the acceptance totals, and the log."""
+  """The controller after a segment: replayed acceptance, or the acceptance totals (trees: tallied
+  round by round, `_segment`), and the log."""
   replay, acceptance = ctl.replay, ctl.acceptance
   if spec.drafter.replayable:
     k = spec.drafter.max_draft
     window = ac.segment_rounds * (k + 1) + k + 1
     replay = replay_segment(ctl.replay, spec.drafter.propose_at, after.state.history, after.state.hist_len,
                             widths, k, window, ac.decay)
-  else:
+  elif not spec.proposes_tree:
     acceptance = adapt.update_totals(ctl.acceptance, after.stats.acc_tokens - before.stats.acc_tokens,
                                      after.stats.rejected - before.stats.rejected, ac.decay)
   slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
-  return Control(replay=replay, acceptance=acceptance, segment=ctl.segment + 1, total=ctl.total + ran,
-                 log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
+  return dataclasses.replace(ctl, replay=replay, acceptance=acceptance, segment=ctl.segment + 1, total=ctl.total + ran,
+                             log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
+
+
+def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi, rounds):
+  """The segment's rounds at width index `wi`: one bounded loop per width, all but the chosen running
+  0 rounds; tree rounds add to the budget tally (decayed once per segment). -> (carry, ctl, ran)."""
+  budgets, ran = (ctl.budgets.decayed(ac.decay) if specs[0].proposes_tree else ctl.budgets), jnp.int32(0)
+  for i, spec_w in enumerate(specs):
+    n_i = jnp.where(wi == i, rounds, 0)
+    if spec_w.proposes_tree:
+      carry, budgets, n = rounds_tallied(spec_w, inp, n_i, carry, budgets, widths)
+    else:
+      carry, n = rounds_at(spec_w, inp, n_i, carry)
+    ran = ran + n
+  return carry, dataclasses.replace(ctl, budgets=budgets), ran
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "ac", "keep"), donate_argnames=("carry",))
@@ -101,16 +125,14 @@ def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, 
   def body(c):
     carry, ctl = c
     wi, rounds = _choose(spec, ac, carry, ctl, inp, costs, widths, force, max_rounds)
-    after, ran = carry, jnp.int32(0)
-    for i, spec_w in enumerate(specs):   # one bounded loop per width; all but the chosen run 0 rounds
-      after, n = rounds_at(spec_w, inp, jnp.where(wi == i, rounds, 0), after)
-      ran = ran + n
+    after, ctl, ran = _segment(specs, ac, inp, carry, ctl, widths, wi, rounds)
     return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran)
 
   carry, ctl = jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1].total < max_rounds), body,
                                   (carry, Control.init(carry, ac, len(widths))))
   r = ctl.replay
-  replayed_tau = jnp.sum(r.tokens, 1) / jnp.maximum(jnp.sum(r.rounds, 1), 1e-6)     # [W] pooled, decayed
+  replayed_tau = (ctl.budgets.pooled() if spec.proposes_tree else
+                  jnp.sum(r.tokens, 1) / jnp.maximum(jnp.sum(r.rounds, 1), 1e-6))   # [W] pooled, decayed
   return carry, (ctl.log_width, ctl.log_rounds, ctl.segment, ctl.total, replayed_tau)
 
 
@@ -123,7 +145,7 @@ def measure_round_costs(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, 
   width), so the per-call cost (launch, the host's wait) drops out. None when the cache has no
   room for a few rounds (or `timed` is off: then it only compiles)."""
   k, state = spec.drafter.max_draft, carry.state
-  widths = ac.widths_for(k)
+  widths = widths_of(spec, ac)
   room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
              int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2 * (k + 1)
   long = min(32, max(room, 0) // (k + 1))
@@ -168,9 +190,10 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
   timed (`measure_round_costs`) and replace the forward-only calibration; `warm` (a benchmark's
   untimed warm-up passes it) compiles the program, so a later timed run never compiles.
   -> (carry, record of the run: costs, widths, [width, rounds] per segment, replayed tau by width)."""
-  if spec.proposes_tree:
-    raise NotImplementedError("adaptive drafting picks chain lengths; tree drafters set their own budget")
-  widths = ac.widths_for(spec.drafter.max_draft)
+  if spec.proposes_tree and not spec.drafter.budgeted:
+    raise UserError(f"adaptive drafting chooses a tree's node budget; the tree drafter {spec.drafter.name} has "
+                    f"none to choose (it does not declare `budgeted` / `propose_budget`)")
+  widths = widths_of(spec, ac)
   measure = ac.costs is None and cost_key is not None and cost_key not in adapt.TIMED
   if warm or measure:
     measured = measure_round_costs(spec, inp, carry, ac=ac, timed=measure)
@@ -188,4 +211,5 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
                               jnp.int32(2 ** 30), ac=ac, keep=keep)
   log_w, log_r, n_seg, _, tau = jax.device_get(probe)
   return carry, {**record, "segments": _segments(kept, log_w, log_r, n_seg), "n_segments": int(n_seg),
-                 "replayed_tau": [round(float(t), 4) for t in tau] if spec.drafter.replayable else None}
+                 "replayed_tau": ([round(float(t), 4) for t in tau]
+                                  if spec.drafter.replayable or spec.proposes_tree else None)}

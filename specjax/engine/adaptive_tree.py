@@ -1,0 +1,95 @@
+"""Adaptive node budgets for token trees: what every budget would have accepted, read off the ranks
+of the accepted path's nodes.
+
+A budgeted tree drafter's tree at budget w is the nodes of rank < w of its tree at any larger budget
+b (`TreeDraft.rank`; best-first trees: the best w nodes by score, which lie at most w levels deep;
+draft_tree: the first w nodes of its layout). Greedy, the path a budget-w tree would have accepted is
+the longest prefix of the budget-b path whose nodes all rank below w: with r_j the largest rank on
+the path through depth j, a budget-w round would have emitted 1 + #{j : r_j < w} tokens. So every
+round at budget b shows, per sequence, the tokens of a round at each budget w <= b (exactly for
+greedy rows; for sampled rows an estimate: a smaller tree tries fewer siblings, so it may accept
+another child) and nothing about the budgets above b. `BudgetTally` sums those per budget and
+sequence, decayed per segment; the controller reads them as tokens per round shrunk toward the
+batch's (`adaptive.tau_replayed`) and picks the budget that finishes the batch soonest
+(`adaptive.choose_width_device`), budget 0 being rounds that verify `last` alone.
+
+Exploration: before anything is shown every budget predicts one token per round, so the first
+segment runs `explore_rounds` rounds at the widest budget (which shows them all); the budgets above
+the chosen one are then shown only by probing: every `explore_every`-th segment runs at the budget
+one above the controller's choice, so a rising acceptance climbs the ladder one budget at a time at
+the price of a few rounds at a slightly wider tree, never at the widest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.engine import adaptive as adapt
+from specjax.engine.round import Carry, RoundInputs, RoundSpec, Verdict, run_round
+
+_PAST = 2 ** 30          # the rank given to depths past the accepted path (never below a budget)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BudgetTally:
+  tokens: jax.Array        # [W, B] f32 tokens rounds at each budget would have emitted (decayed per segment)
+  rounds: jax.Array        # [W, B] f32 rounds that showed them
+
+  @staticmethod
+  def init(n_widths: int, batch: int) -> "BudgetTally":
+    return BudgetTally(tokens=jnp.zeros((n_widths, batch), jnp.float32),
+                       rounds=jnp.zeros((n_widths, batch), jnp.float32))
+
+  def observe(self, widths: tuple[int, ...], width: int, verdict: Verdict) -> "BudgetTally":
+    """One round at budget `width` (static; widths: the ladder, ascending): every budget w <= width
+    gains the tokens its tree would have emitted, for the sequences live this round."""
+    w = jnp.asarray(widths, jnp.int32)                                              # [W]
+    if verdict.path_rank is None:                                                   # budget 0: no tree
+      accepted = jnp.zeros((len(widths),) + verdict.n_accepted.shape, jnp.int32)
+    else:
+      depth = jnp.arange(verdict.path_rank.shape[1])[None, :]
+      rank = jnp.where(depth < verdict.n_accepted[:, None], verdict.path_rank, _PAST)   # [B, D]
+      reach = jax.lax.cummax(rank, axis=1)                                          # [B, D] largest rank through depth j
+      accepted = jnp.sum(reach[None] < w[:, None, None], axis=2)                    # [W, B]
+    shown = (w <= width)[:, None] & verdict.live[None, :]                           # [W, B]
+    return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
+                       rounds=self.rounds + shown.astype(jnp.float32))
+
+  def decayed(self, decay: float) -> "BudgetTally":
+    return BudgetTally(tokens=decay * self.tokens, rounds=decay * self.rounds)
+
+  def tau(self, prior_rounds: float) -> jax.Array:
+    """[W, B] expected tokens per round at each budget (1 before anything is shown)."""
+    return adapt.tau_replayed(self.tokens, self.rounds, prior_rounds)
+
+  def pooled(self) -> jax.Array:
+    """[W] the batch's tokens per round at each budget (decayed)."""
+    return jnp.sum(self.tokens, 1) / jnp.maximum(jnp.sum(self.rounds, 1), 1e-6)
+
+
+def choose_budget(tally: BudgetTally, live, remaining, costs, segment, ac) -> tuple[jax.Array, jax.Array]:
+  """-> (budget index [], rounds []) of the next segment: the budget that finishes the batch soonest,
+  except on exploring segments (the first: the widest budget; every `explore_every`-th: one above the
+  choice)."""
+  n = costs.shape[0]
+  best = adapt.choose_width_device(tally.tau(ac.prior_rounds), live, remaining, costs, ac.tie)
+  explore = segment % ac.explore_every == 0
+  probe = jnp.where(segment == 0, n - 1, jnp.minimum(best + 1, n - 1))
+  return (jnp.where(explore, probe, best).astype(jnp.int32),
+          jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32))
+
+
+def rounds_tallied(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, tally: BudgetTally,
+                   widths: tuple[int, ...]) -> tuple[Carry, BudgetTally, jax.Array]:
+  """Up to `rounds` (traced) rounds at the tree budget `spec.width` (static), each one added to the
+  tally. -> (carry, tally, rounds run)."""
+  def body(c):
+    carry, tally, ran = c
+    carry, verdict = run_round(spec, inp, carry)
+    return carry, tally.observe(widths, spec.width, verdict), ran + 1
+  return jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[2] < rounds), body,
+                            (carry, tally, jnp.int32(0)))
