@@ -81,7 +81,7 @@ def emit(state: GenState, tokens: jax.Array, n_emit: jax.Array, stop_ids: jax.Ar
   Emission stops after the first stop token and at the max_new budget; sequences already done
   emit nothing. Returns (state with history / last / done updated, emitted count [B]).
   """
-  b, j = tokens.shape
+  j = tokens.shape[1]
   idx = jnp.arange(j)[None, :]
   is_stop = jnp.isin(tokens, stop_ids) & (idx < n_emit[:, None])                  # [B, J]
   first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, j + 1)
@@ -90,7 +90,8 @@ def emit(state: GenState, tokens: jax.Array, n_emit: jax.Array, stop_ids: jax.Ar
   n = jnp.where(state.done, 0, jnp.maximum(n, 0))                                  # [B]
   cols = state.hist_len[:, None] + idx                                             # [B, J]
   cols = jnp.where(idx < n[:, None], cols, state.history.shape[1])                 # out of range -> dropped
-  history = state.history.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
+  # per row (vmap), so a history split over "data" is written on the device that holds the row
+  history = jax.vmap(lambda h, c, x: h.at[c].set(x, mode="drop"))(state.history, cols, tokens)
   last = jnp.where(n > 0, jnp.take_along_axis(tokens, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], state.last)
   hit_stop = (first_stop <= n) & (n > 0)
   done = state.done | hit_stop | (state.n_out + n >= max_new)

@@ -46,13 +46,16 @@ class KVCache:
     return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
   def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys/values of `layer` with `k_new`/`v_new` [B, T, KVH, D] written at slots length+t."""
-    b, t = k_new.shape[:2]
-    slots = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]   # [B, T]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]                              # [B, 1]
-    k = self.k[layer].at[rows, slots].set(k_new.astype(self.k[layer].dtype), mode="drop")
-    v = self.v[layer].at[rows, slots].set(v_new.astype(self.v[layer].dtype), mode="drop")
-    return k, v
+    """Keys/values of `layer` with `k_new`/`v_new` [B, T, KVH, D] written at slots length+t (slots
+    past the capacity are dropped). Each row writes its own slots (a `jax.vmap` of the one-row
+    update, the batch being a batching dimension of the scatter), so with the batch split over
+    the mesh's "data" axis every device writes its rows where they are; a scatter naming rows by
+    explicit indices would gather every row's keys, values and slots onto every device first."""
+    t = k_new.shape[1]
+
+    def one(cache, new, length):                                                 # [S, KVH, D], [T, KVH, D], []
+      return cache.at[length + jnp.arange(t, dtype=jnp.int32)].set(new.astype(cache.dtype), mode="drop")
+    return jax.vmap(one)(self.k[layer], k_new, self.lengths), jax.vmap(one)(self.v[layer], v_new, self.lengths)
 
 
 def check_capacity(lengths, n_new: int, capacity: int) -> None:
