@@ -59,8 +59,12 @@ def test_yaml_errors_are_config_errors(tmp_path):
 def test_committed_bench_configs_parse():
   """Every experiment config under configs/ (not training / tuning configs) loads and validates."""
   from pathlib import Path
+  from specjax.serve.bench_config import load_bench_serve
   for path in sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("bench_*.yaml")):
-    load_config(path)                              # tune_* by tests/test_tune.py, train_* by test_train_spec_base.py
+    if path.name.startswith("bench_serve"):      # a bench config plus a serve: section (specjax bench-serve)
+      load_bench_serve(path)
+    else:
+      load_config(path)                            # tune_* by tests/test_tune.py, train_* by test_train_spec_base.py
 
 
 @pytest.mark.real
