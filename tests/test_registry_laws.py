@@ -2,12 +2,17 @@
 target's distribution, with no test code of its own: each is built from its spec's `example` (a
 random head, a draft model or small options for a random tiny target) and checked here.
 
-- Greedy: the tokens equal plain greedy decoding's, at batch 3 with ragged prompts, and the
-  speculator did draft (verified draft tokens > 0), so the check is not vacuous.
-- Sampling law (temperature 1): the marginal distribution of the tokens at output positions 1-3
-  (all produced by speculative rounds: position 0 comes from the prefill) over 512 sequences with
-  distinct seeds matches plain sampling's (chi-square test of homogeneity, p >= 1e-4; the seeds are
-  fixed, so the outcome is deterministic).
+One batch per speculator checks both laws (one compiled program each, as plain decoding's
+reference is one): its first 3 rows are greedy ragged prompts, the other 512 rows copies of one
+prompt sampled at temperature 1, each with its own seed.
+
+- Greedy: the greedy rows' tokens equal plain greedy decoding's (ragged prompts, beside sampled
+  rows), and the speculator drafted for them (verified draft tokens > 0), so the check is not
+  vacuous.
+- Sampling law (temperature 1): the marginal distribution of the sampled rows' tokens at output
+  positions 1-3 (all produced by speculative rounds: position 0 comes from the prefill) over 512
+  sequences with distinct seeds matches plain sampling's (chi-square test of homogeneity, p >= 1e-4;
+  the seeds are fixed, so the outcome is deterministic).
 - Trees: the `n_nodes` option is the node budget every round verifies, and n_max caps the depth of
   the nodes verified; the output stays plain greedy decoding's.
 """
@@ -70,33 +75,39 @@ def _tree_names() -> list[str]:
   return [n for n in _names() if speculator_spec.get(n).tree and "n_nodes" in speculator_spec.get(n).option_names]
 
 
-@pytest.fixture(scope="module")
-def plain_greedy(target):
-  return generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=MAX_NEW).tokens
+def _mixed_sampling(first_seed: int) -> SamplingParams:
+  """The greedy rows (temperature 0), then N_SAMPLED rows at temperature 1 with seeds first_seed + i."""
+  return SamplingParams.make(len(PROMPTS) + N_SAMPLED, temperature=[0.0] * len(PROMPTS) + [1.0] * N_SAMPLED,
+                             seed=list(range(len(PROMPTS))) + list(range(first_seed, first_seed + N_SAMPLED)))
 
 
-@pytest.mark.parametrize("name", _names())
-def test_greedy_output_is_plain_greedy_output(name, target, plain_greedy, tmp_path):
-  drafter, dp = _build(name, target, tmp_path)
-  out = speculative_generate(target.params, target.cfg, PROMPTS, drafter, max_new_tokens=MAX_NEW, draft_params=dp)
-  assert out.tokens == plain_greedy
-  assert out.stats.gen_tokens > 0, f"{name} drafted nothing: the check would be vacuous"
+MIXED_PROMPTS = PROMPTS + [PROMPTS[0]] * N_SAMPLED
 
 
 @pytest.fixture(scope="module")
-def plain_sampled(target):
-  sampling = SamplingParams.make(N_SAMPLED, temperature=1.0, seed=np.arange(N_SAMPLED) + 50_000)
-  return np.asarray(generate_plain(target.params, target.cfg, [PROMPTS[0]] * N_SAMPLED,
-                                   max_new_tokens=SAMPLED_NEW, sampling=sampling).tokens)
+def plain_mixed(target):
+  """Plain decoding of the mixed batch: (greedy tokens of PROMPTS, sampled tokens [N, SAMPLED_NEW])."""
+  out = generate_plain(target.params, target.cfg, MIXED_PROMPTS, max_new_tokens=MAX_NEW,
+                       sampling=_mixed_sampling(50_000)).tokens
+  return out[:len(PROMPTS)], np.asarray(out[len(PROMPTS):])[:, :SAMPLED_NEW]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain_mixed):
+  return plain_mixed[0]
 
 
 @pytest.mark.parametrize("name", _names())
-def test_sampled_output_follows_the_target_distribution(name, target, plain_sampled, tmp_path):
+def test_greedy_output_and_sampled_law_are_plain_decodings(name, target, plain_mixed, tmp_path):
+  """The greedy rows equal plain greedy decoding's and were drafted for; the sampled rows' tokens
+  at positions 1-3 follow plain sampling's law."""
+  plain_greedy, plain_sampled = plain_mixed
   drafter, dp = _build(name, target, tmp_path)
-  sampling = SamplingParams.make(N_SAMPLED, temperature=1.0, seed=np.arange(N_SAMPLED) + 10_000)
-  out = speculative_generate(target.params, target.cfg, [PROMPTS[0]] * N_SAMPLED, drafter,
-                             max_new_tokens=SAMPLED_NEW, draft_params=dp, sampling=sampling)
-  spec_tokens = np.asarray(out.tokens)                                              # [N, SAMPLED_NEW]
+  out = speculative_generate(target.params, target.cfg, MIXED_PROMPTS, drafter, max_new_tokens=MAX_NEW,
+                             draft_params=dp, sampling=_mixed_sampling(10_000))
+  assert out.tokens[:len(PROMPTS)] == plain_greedy
+  assert sum(out.stats.per_seq_gen_tokens[:len(PROMPTS)]) > 0, f"{name} drafted nothing: the check would be vacuous"
+  spec_tokens = np.asarray(out.tokens[len(PROMPTS):])[:, :SAMPLED_NEW]                 # [N, SAMPLED_NEW]
   v = target.cfg.vocab_size
   for pos in range(1, SAMPLED_NEW):
     a = np.bincount(spec_tokens[:, pos], minlength=v)
