@@ -198,19 +198,3 @@ def test_real_smollm2_greedy_continuation(smollm2_jax, smollm2_hf):
   _assert_same_greedy(smollm2_hf, REAL_PROMPT, ours, theirs)
 
 
-def test_llama31_gguf_rope_freqs_is_refused_by_name(tmp_path):
-  """A GGUF carrying Llama-3.1's `rope_freqs.weight` is refused with that tensor named, instead of
-  loading without it (which would silently change every rotary frequency)."""
-  import gguf
-  from specjax.io.gguf import load_gguf
-  path = tmp_path / "llama31_tiny.gguf"
-  w = gguf.GGUFWriter(str(path), "llama")
-  w.add_context_length(64)
-  w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
-  w.add_tensor("rope_freqs.weight", np.ones((4,), np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  with pytest.raises(NotImplementedError, match="rope_freqs.weight"):
-    load_gguf(path, progress=False)

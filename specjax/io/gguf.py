@@ -3,17 +3,23 @@
 Quantized tensors are dequantized with the `gguf` package. llama-architecture files store the
 Q and K projection rows permuted for llama.cpp's interleaved rotary layout; we undo that so
 that every family runs the same rotate-half rotary. Gemma files store RMSNorm weights with the
-+1 of Gemma's (1 + w) already added; we take it off again.
++1 of Gemma's (1 + w) already added; we take it off again. Llama-3.x files carry their rope
+scaling as `rope_freqs.weight`, one divisor per rotary frequency (llama.cpp's freq_factors): it
+becomes the config's ("freq_factors", ...) scaling.
+
+Tensors are dequantized lazily, one per access (`GGUFTensors`), and the pages of the memory-mapped
+file a tensor touched are released after it is read, so a loader that moves each tensor to the
+device before asking for the next holds about one tensor on the host.
 """
 
 from __future__ import annotations
 
-import warnings
+import mmap
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
-from tqdm.auto import tqdm
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -89,7 +95,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
   if gguf_name == "output.weight":
     return "lm_head.weight"
   parts = gguf_name.split(".")
-  if parts[0] != "blk":
+  if parts[0] != "blk" or len(parts) != 4:
     return None
   layer, kind, leaf = parts[1], parts[2], parts[3]
   if kind == "ffn_norm":
@@ -101,40 +107,75 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
   return f"model.layers.{layer}.{hf}.{leaf}"
 
 
-def load_gguf(path: str | Path, progress: bool = True, reader=None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """(HF-style config dict, {HF tensor name: float32 array [out, in]}) of a GGUF file
-  (pass an open `gguf.GGUFReader` to avoid parsing the file twice)."""
+class GGUFTensors(Mapping):
+  """{HF tensor name: float32 array [out, in]} of a GGUF file's tensors, dequantized on access;
+  llama Q / K rows unpermuted, Gemma norm weights less their +1."""
+
+  def __init__(self, reader, arch: str, n_heads: int, n_kv_heads: int):
+    self._reader, self._arch = reader, arch
+    self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+    self._by_name = {hf_name(t.name, arch): t for t in reader.tensors if t.name != "rope_freqs.weight"}
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    from gguf.quants import dequantize
+    t = self._by_name[name]
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    w = w.reshape(shape) if w.size == int(np.prod(shape)) else w
+    if self._arch == "gemma3" and name.endswith("norm.weight"):
+      w = w - 1.0
+    proj = name.split(".")[-2]
+    if self._arch == "llama" and proj in self._heads and ".self_attn." in name:
+      w = _unpermute_rows(w, self._heads[proj])
+    _release_pages(self._reader)
+    return w
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._by_name)
+
+  def __len__(self) -> int:
+    return len(self._by_name)
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._by_name
+
+
+def _release_pages(reader) -> None:
+  """Drop the file pages the reader's memory map holds (they are read again if touched): the
+  map would otherwise keep every tensor read so far in this process's resident memory."""
+  mm = getattr(getattr(reader, "data", None), "_mmap", None)
+  if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+    mm.madvise(mmap.MADV_DONTNEED)
+
+
+def load_gguf(path: str | Path, progress: bool = True, reader=None) -> tuple[dict[str, Any], GGUFTensors]:
+  """(HF-style config dict, lazy {HF tensor name: float32 array [out, in]}) of a GGUF file (pass
+  an open `gguf.GGUFReader` to avoid parsing the file twice). A tensor with no place in the
+  architecture is an error that names it. `progress` is accepted for the callers' sake: the
+  tensors are read when the weights are filled."""
   from gguf import GGUFReader
   from gguf.quants import dequantize
   reader = reader if reader is not None else GGUFReader(str(path))
   meta = {k: field_value(reader, k) for k in reader.fields if not k.startswith("tokenizer.ggml.t")
           and not k.startswith("tokenizer.ggml.merges") and not k.startswith("tokenizer.ggml.scores")}
   arch = meta["general.architecture"]
-  tensors: dict[str, np.ndarray] = {}
-  if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-    raise NotImplementedError(f"{Path(path).name}: GGUF tensor 'rope_freqs.weight' (Llama-3.x rope scaling "
-                              "factors) is not supported yet; load the model's HF checkpoint folder instead")
-  skipped = [t.name for t in reader.tensors if hf_name(t.name, arch) is None]
-  if skipped:
-    warnings.warn(f"{Path(path).name}: GGUF tensors with no place in a {arch} model, not loaded: {skipped[:8]}")
-  for t in tqdm(reader.tensors, desc=f"load {Path(path).name}", disable=not progress, leave=False):
-    name = hf_name(t.name, arch)
-    if name is None:
-      continue
-    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-    w = w.reshape(shape) if w.size == int(np.prod(shape)) else w
-    if arch == "gemma3" and name.endswith("norm.weight"):
-      w = w - 1.0
-    tensors[name] = w
-  n_vocab = tensors["model.embed_tokens.weight"].shape[0]
+  unplaced = [t.name for t in reader.tensors if hf_name(t.name, arch) is None and t.name != "rope_freqs.weight"]
+  if unplaced:
+    raise ValueError(f"{Path(path).name}: GGUF tensors with no place in a {arch} model: {unplaced[:8]}"
+                     f"{' ...' if len(unplaced) > 8 else ''}")
+  by_name = {t.name: t for t in reader.tensors}
+  if "token_embd.weight" not in by_name:
+    raise ValueError(f"{Path(path).name}: no token_embd.weight tensor")
+  n_vocab = int(by_name["token_embd.weight"].shape.tolist()[-1])              # GGUF shapes are [in, out]
   hf = hf_config_from_metadata(meta, n_vocab)
-  if arch == "llama":
-    for i in range(hf["num_hidden_layers"]):
-      for proj, heads in (("q_proj", hf["num_attention_heads"]), ("k_proj", hf["num_key_value_heads"])):
-        for leaf in ("weight", "bias"):
-          key = f"model.layers.{i}.self_attn.{proj}.{leaf}"
-          if key in tensors:
-            tensors[key] = _unpermute_rows(tensors[key], heads)
-  hf["tie_word_embeddings"] = "lm_head.weight" not in tensors
+  if "rope_freqs.weight" in by_name:
+    t = by_name["rope_freqs.weight"]
+    factors = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+    if factors.size != hf["head_dim"] // 2:
+      raise ValueError(f"{Path(path).name}: rope_freqs.weight has {factors.size} factors, expected "
+                       f"head_dim / 2 = {hf['head_dim'] // 2}")
+    hf["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+  hf["tie_word_embeddings"] = "output.weight" not in by_name
+  tensors = GGUFTensors(reader, arch, hf["num_attention_heads"], hf["num_key_value_heads"])
+  _release_pages(reader)
   return hf, tensors

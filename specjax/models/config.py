@@ -25,7 +25,8 @@ class ModelConfig:
   rope_theta: float = 10000.0
   rope_local_theta: float | None = None     # gemma3 sliding layers
   rope_scaling: tuple = ()                  # () or ("llama3", factor, low_freq_factor, high_freq_factor,
-                                            # original_max_positions) or ("linear", factor): full layers
+                                            # original_max_positions), ("linear", factor) or
+                                            # ("freq_factors", *divisors): full layers
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()         # "full" | "sliding", one per layer
   norm_eps: float = 1e-5
@@ -119,7 +120,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
 def _rope_thetas(hf: dict[str, Any]) -> tuple[float, float, tuple]:
   """(global base, local base, scaling of the global one) from either config style: transformers 4
   (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) or transformers 5 (`rope_parameters`, per
-  layer type). Scaling: () , ("linear", factor) or ("llama3", factor, low, high, original positions)."""
+  layer type). Scaling: () , ("linear", factor), ("llama3", factor, low, high, original positions) or
+  ("freq_factors", f_0, .., f_{D/2-1}) (a divisor per frequency, as GGUF files store Llama-3.x's)."""
   params = hf.get("rope_parameters") or {}
   per_type = params if "full_attention" in params else {"full_attention": params or hf.get("rope_scaling") or {}}
   scaling = ()
@@ -132,6 +134,8 @@ def _rope_thetas(hf: dict[str, Any]) -> tuple[float, float, tuple]:
       raise NotImplementedError(f"rope type {rope_type!r} on {layer_type} layers is not supported yet")
     if rope_type == "linear":
       scaling = ("linear", float(kind["factor"]))
+    elif rope_type == "freq_factors":     # a GGUF's rope_freqs.weight (specjax.io.gguf)
+      scaling = ("freq_factors", *(float(f) for f in kind["factors"]))
     elif rope_type == "llama3":
       scaling = ("llama3", float(kind["factor"]), float(kind["low_freq_factor"]), float(kind["high_freq_factor"]),
                  int(kind["original_max_position_embeddings"]))

@@ -71,10 +71,13 @@ def rope_inv_freq(d: int, theta: float, scaling: tuple = ()) -> np.ndarray:
   """Rotary frequencies [D/2] (float32, static): theta^(-2i/D), then the checkpoint's scaling.
   "linear": every frequency / factor. "llama3": wavelengths longer than original/low_freq_factor
   are slowed by `factor`, shorter than original/high_freq_factor kept, and those between blend the
-  two linearly in original/wavelength."""
+  two linearly in original/wavelength. "freq_factors": frequency i / factor i (llama.cpp's
+  rope_freqs, which stores the llama3 rule's divisors)."""
   inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
   if scaling and scaling[0] == "linear":
     inv_freq = inv_freq / scaling[1]
+  elif scaling and scaling[0] == "freq_factors":
+    inv_freq = inv_freq / np.asarray(scaling[1:], np.float64)
   elif scaling and scaling[0] == "llama3":
     _, factor, low, high, original = scaling
     wavelen = 2 * np.pi / inv_freq

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ def resolve_path(name_or_path: str) -> Path:
 
 def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = True,
                progress: bool = True) -> LoadedModel:
+  """The model at `name_or_path` with its parameters in `dtype` on the default device. Tensors are
+  read, converted and moved to the device one at a time (host memory: about the largest tensor)."""
   path = resolve_path(name_or_path)
   tokenizer = None
   if path.is_dir():
@@ -58,6 +61,7 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
       tokenizer = Tokenizer.from_gguf(reader)
   else:
     raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
+  tensors = _ReadProgress(tensors, f"load {path.name}", progress)
   from specjax.models import hybrid_config, hybrid_weights
   if hybrid_config.is_hybrid_hf_config(hf):     # attention + gated DeltaNet (Qwen3.5)
     cfg = hybrid_config.hybrid_config_from_hf(hf)
@@ -68,6 +72,32 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
   return LoadedModel(name=Path(name_or_path).stem if not path.is_dir() else path.name,
                      cfg=cfg, params=params, tokenizer=tokenizer, source=str(path),
                      context_length=_positive_int(hf.get("max_position_embeddings")))
+
+
+class _ReadProgress(Mapping):
+  """A checkpoint's lazy tensor mapping with a progress bar that advances as tensors are read
+  (the loaders read each tensor once, while filling the parameters)."""
+
+  def __init__(self, tensors: Mapping, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+    self._tensors = tensors
+    self._bar = tqdm(total=len(tensors), desc=desc, unit="tensor", disable=not enabled, leave=False)
+
+  def __getitem__(self, name):
+    arr = self._tensors[name]
+    self._bar.update(1)
+    if self._bar.n >= (self._bar.total or 0):
+      self._bar.close()
+    return arr
+
+  def __iter__(self):
+    return iter(self._tensors)
+
+  def __len__(self):
+    return len(self._tensors)
+
+  def __contains__(self, name):
+    return name in self._tensors
 
 
 def _positive_int(x) -> int | None:
