@@ -162,18 +162,21 @@ def main() -> None:
       rows.append({"mode": mode, "error": proc.stderr[-2000:]})
     else:
       rows.append(json.loads(line[len("RESULT "):]))
-    print(json.dumps(rows[-1]))
+    print(json.dumps(rows[-1]), flush=True)
+    write_result(args, folder, rows)                 # after every mode: a run cut short keeps its rows
+  print(f"-> {args.out}")
+
+
+def write_result(args, folder: Path, rows: list[dict]) -> None:
   files = sorted(folder.glob("*.safetensors"))
   result = {"question": "peak host / device memory of loading a checkpoint", "shape": args.shape,
             "config": SHAPES[args.shape], "checkpoint_gb": round(sum(f.stat().st_size for f in files) / 1e9, 3),
-            "shards": len(files), "rows": rows}
+            "shards": len(files), "git_revision": None, "device": None,
+            "rows": [{k: v for k, v in r.items() if k not in ("git_revision", "device")} for r in rows]}
   for key in ("git_revision", "device"):
-    result[key] = next((r.pop(key) for r in rows if key in r), None)
-    for r in rows:
-      r.pop(key, None)
+    result[key] = next((r[key] for r in rows if key in r), None)
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=1))
-  print(f"-> {args.out}")
 
 
 if __name__ == "__main__":
