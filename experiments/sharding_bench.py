@@ -17,10 +17,15 @@ tokens are compared with that row's: the fraction of sequences equal token for t
 fraction of tokens equal before the first difference (bf16 float sums in another order can flip a
 near-tie, so sharded bf16 output is not always identical; float32 is, see tests/test_sharding.py).
 
+Beside the timings, the collectives XLA compiles into one plain decode step of each sharded target
+(`specjax.parallel.hlo.decode_step_collectives`: all-gather / all-reduce / collective-permute / ...
+per decoder layer and outside the layers, compiled from abstract values) go into the JSON
+(`collectives`) and the summary printed at the end.
+
 The JSON (config, git revision, device kind and count, rows) is rewritten after every row, so a
 run cut by a time limit keeps what it measured; --budget stops starting rows after that many
-seconds. The plot (tokens/s against batch, one panel per model, one line per method and mesh) is
-drawn at the end, or from a JSON with --plot-only.
+seconds. The summary and the plot (tokens/s against batch, one panel per model, one line per method
+and mesh) come at the end, or from a JSON with --plot-only.
 
   python experiments/sharding_bench.py --out $OUT/sharding.json --mtp-head HEAD
   python experiments/sharding_bench.py --tiny --out /tmp/sharding_tiny.json     # CPU dry run, 8 fake devices
@@ -61,6 +66,23 @@ TINY_LARGE = TINY_TARGET.replace(n_layers=3, d_model=64, n_heads=16, n_kv_heads=
 NGRAM = dict(speculator="ngram_simple", options={"size_n": 3, "size_m": 16}, draft_params={"n_max": 8, "n_min": 1})
 
 
+def describe_collectives(got: dict) -> str:
+  """"per layer: all-reduce 2; outside the layers: all-gather 5, ..." (zero counts left out)."""
+  if "error" in got:
+    return got["error"]
+  say = lambda counts: ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "none"
+  return f"per layer: {say(got['per_layer'])}; outside the layers: {say(got['outside_layers'])}"
+
+
+def summary(out: dict) -> list[str]:
+  """One line per sharded row (speedup, equality) and per sharded target (its collectives)."""
+  lines = [f"{r['model']} {r['method']} b{r['batch']} {r['mesh']}: {r['tok_s']} tok/s, "
+           f"{r['speedup_vs_one_device']}x one device, {r['equal_sequences']:.0%} sequences equal"
+           for r in out["rows"] if "speedup_vs_one_device" in r]
+  return lines + [f"collectives of a decode step, {k}: {describe_collectives(v)}"
+                  for k, v in out.get("collectives", {}).items()]
+
+
 def method_kwargs(name: str, mtp_head) -> dict:
   if name == "plain":
     return {}
@@ -96,14 +118,29 @@ class Bench:
     self.ref: dict[tuple, dict] = {}
     self.t0 = time.monotonic()
     self.sharded: dict[tuple, LoadedModel] = {}
+    self.collectives: dict[str, dict] = {}
 
-  def target_on(self, target: LoadedModel, mesh: str | None) -> LoadedModel:
+  def target_on(self, target: LoadedModel, mesh: str | None, batch: int) -> LoadedModel:
     if mesh is None:
       return target
     key = (target.name, mesh)
     if key not in self.sharded:
       self.sharded[key] = api.shard(target, mesh)
+      self.count_collectives(self.sharded[key], mesh, batch)
     return self.sharded[key]
+
+  def count_collectives(self, sharded: LoadedModel, mesh: str, batch: int) -> None:
+    """The collectives of one plain decode step of `sharded` on its mesh, per layer and outside."""
+    from specjax import parallel
+    from specjax.parallel.hlo import decode_step_collectives
+    name = f"{sharded.name} | {mesh}"
+    try:
+      dtype = jax.tree_util.tree_leaves(sharded.params)[0].dtype
+      got = decode_step_collectives(sharded.cfg, sharded.mesh, parallel.padded_batch(batch, sharded.mesh), dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+      got = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    self.collectives[name] = got
+    print(f"[sharding_bench] collectives of a decode step, {name}: {describe_collectives(got)}", flush=True)
 
   def row(self, section: str, target: LoadedModel, method: str, batch: int, mesh: str | None, prompts, mtp_head):
     """One row; a failure (out of memory, a mesh the target cannot take) is recorded, not raised."""
@@ -123,7 +160,7 @@ class Bench:
     key = (target.name, method, batch)
     if (mesh is None and key in self.ref) or (mesh is not None and key not in self.ref):
       return                                # measured already / no one-device row to compare with
-    on = self.target_on(target, mesh)
+    on = self.target_on(target, mesh, batch)
     kw = method_kwargs(method, mtp_head)
     run = lambda: api.generate(on, prompts[:batch], chat=False, max_new_tokens=self.args.new_tokens,
                                sampling={"temperature": 0.0}, **kw)
@@ -149,7 +186,7 @@ class Bench:
 
   def write(self):
     out = {"experiment": "sharding", **self.meta, "rows": self.rows, "skipped": self.skipped,
-           "elapsed_s": round(time.monotonic() - self.t0, 1)}
+           "collectives": self.collectives, "elapsed_s": round(time.monotonic() - self.t0, 1)}
     Path(self.args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(self.args.out).write_text(json.dumps(out, indent=1) + "\n")
 
@@ -169,10 +206,11 @@ def main(argv=None) -> int:
   ap.add_argument("--tiny", action="store_true", help="tiny random targets on 8 simulated CPU devices")
   ap.add_argument("--no-large", action="store_true", help="skip the random Llama-3.1-8B-shaped target")
   ap.add_argument("--out", required=True)
-  ap.add_argument("--plot-only", action="store_true", help="draw the PNG of an existing --out JSON")
+  ap.add_argument("--plot-only", action="store_true",
+                  help="print the summary and draw the PNG of an existing --out JSON")
   args = ap.parse_args(argv)
   if args.plot_only:
-    plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+    report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     return 0
 
   n_dev = jax.device_count()
@@ -229,8 +267,14 @@ def main(argv=None) -> int:
                             "why": f"model={m} does not divide {target.cfg.n_heads} heads / {target.cfg.n_kv_heads} "
                                    f"KV heads" if m <= n_dev else f"{n_dev} devices"})
   bench.write()
-  plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+  report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
   return 0
+
+
+def report(out: dict, png: Path) -> None:
+  """The summary printed and the plot drawn (also from a JSON a time limit cut: --plot-only)."""
+  print("[sharding_bench] summary\n  " + "\n  ".join(summary(out)), flush=True)
+  plot(out, png)
 
 
 def plot(out: dict, png: Path) -> None:

@@ -164,15 +164,36 @@ def perturb(params, sigma: float, seed: int):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def place_fused(cfg: ModelConfig):
+  """(key path, x) -> x with a fused projection's columns placed by its layout (`Linear.fused`), x
+  drawn with the parts side by side ([Q | K | V], [gate | up]); other leaves as they are. Random
+  draws (weights, noise) placed so give one model per seed whatever the layout of fused columns."""
+  from flax import nnx
+
+  from specjax.models.decoder import Transformer
+  from specjax.models.layers import fused_order
+  from specjax.models.weights import fused_leaves
+  from specjax.parallel.partition import path_names
+  layouts = fused_leaves(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+
+  def place(path, x):
+    names = path_names(path)
+    return x[..., fused_order(layouts[names])] if names in layouts else x
+  return place
+
+
 def random_params(cfg: ModelConfig, seed: int):
   """Random parameters of `cfg`, drawn with numpy on the host (no per-op jit dispatch): embeddings
   N(0, 1), kernels N(0, 1/d_in) (O(1), well separated logits), norm weights and biases near their
-  identity values. Same tree as `init_params`."""
+  identity values. Same tree as `init_params`. A fused projection is drawn as its parts side by
+  side and placed by its layout (as a checkpoint loads), so a seed gives the same model whatever
+  the layout of the fused columns."""
   from flax import nnx
 
   from specjax.models.decoder import Transformer
   abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
   _, state = nnx.split(abstract)
+  place = place_fused(cfg)
   rng = np.random.default_rng(seed)
 
   def draw(path, leaf):
@@ -186,7 +207,7 @@ def random_params(cfg: ModelConfig, seed: int):
       x = 0.1 * rng.standard_normal(shape)
     else:   # norm weights: 1 (or 0 with gemma's 1 + w) plus noise
       x = (0.0 if cfg.norm_offset else 1.0) + 0.1 * rng.standard_normal(shape)
-    return jnp.asarray(x, jnp.float32)
+    return jnp.asarray(place(path, x), jnp.float32)
 
   filled = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
   nnx.replace_by_pure_dict(state, filled)

@@ -1,4 +1,5 @@
-"""How the fused projections are split over the mesh's model axis, on 8 simulated CPU devices.
+"""How parameters are split over a (data, model) mesh and what a sharded decode step communicates,
+on 8 simulated CPU devices.
 
 A checkpoint's q / k / v projections are loaded as one matrix (`qkv_proj`) and gate / up as one
 (`gate_up_proj`), and `specjax.parallel.partition` splits the fused output axis over "model". A
@@ -11,14 +12,22 @@ compared.
 
 - the forward pass on model=2 and model=4 equals the one-device forward (float32 logits);
 - each device's shard of qkv_proj (kernel and bias) and gate_up_proj holds matching slices of every
-  part. The fused columns are [Q | K | V] and [gate | up] today (`models/layers.py` slices them so),
-  and a contiguous split of those gives one device all of Q and the other K and V: XLA exchanges
-  activations after each fused projection (collective-permutes, 5 per layer on model=2, 12 on
-  model=4, beside Megatron's 2 all-reduces). Marked xfail (strict) until the fused columns are
-  grouped per KV head / per MLP unit in the loader and `layers.py`; it passes then.
+  part: the fused columns are grouped per KV head and interleaved per MLP unit (`models/layers.py`),
+  so a contiguous split gives every device whole groups.
+
+The collectives XLA puts in one compiled plain decode step (`parallel.hlo.decode_step_collectives`,
+per decoder layer):
+
+- data=2: none. The KV-cache write and the history append write each row where it lives (a vmapped
+  scatter); written by explicit row indices they cost 4 all-gathers per layer.
+- model=2 / 4 (and with data=2): Megatron's two all-reduces (after o_proj and down_proj), nothing
+  else. Fused columns split as whole parts ([Q | K | V], [gate | up]) would make XLA move the
+  projected activations between devices after every fused projection (collective-permutes).
 
 The work runs in a subprocess (this file run as a script) because the device-count flag must be
-set before jax starts and the rest of the suite keeps one device.
+set before jax starts and the rest of the suite keeps one device. On one device (in this process):
+the fused rows split back into the HF parts, and `split_qkv` / `split_gate_up` read the fused
+output as the HF projections' outputs.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = (2, 4)
+COLLECTIVE_MESHES = ("data=2", "data=1,model=2", "data=1,model=4", "data=2,model=2", "data=2,model=4")
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +61,52 @@ def test_forward_on_model_axis_equals_one_device(worker, model):
   assert got["argmax_equal"], got
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="fused columns are [Q | K | V] and [gate | up] (models/layers.py): a "
-                                       "contiguous split gives each device whole parts, not slices of each")
 @pytest.mark.parametrize("model", MESHES)
 def test_each_device_holds_matching_slices_of_every_part(worker, model):
   bad = [f"{leaf} on device {d}: {what}" for leaf, devices in worker["layout"][str(model)].items()
          for d, what in enumerate(devices) if what != "ok"]
   assert not bad, "\n".join(bad)
+
+
+def test_data_axis_decode_step_gathers_nothing_per_layer(worker):
+  got = worker["collectives"]["data=2"]
+  assert got["per_layer"] == {k: 0 for k in got["per_layer"]}, got
+  assert got["outside_layers"]["all-gather"] == 0, got       # the history append stays local too
+
+
+@pytest.mark.parametrize("mesh", COLLECTIVE_MESHES[1:])
+def test_model_axis_decode_step_has_two_all_reduces_per_layer(worker, mesh):
+  got = worker["collectives"][mesh]["per_layer"]
+  assert got == {**{k: 0 for k in got}, "all-reduce": 2}, got
+
+
+def test_fused_rows_split_back_and_read_as_the_hf_projections():
+  """One device, no mesh: `fuse_rows` then `split_rows` gives the HF parts back (what head files
+  store), and the fused projection's output read by `split_qkv` / `split_gate_up` is each HF
+  projection's output, query head i with KV head i // (H / KVH)."""
+  import numpy as np
+
+  from specjax.models.layers import gate_up_layout, qkv_layout, split_gate_up, split_qkv
+  from specjax.models.weights import fuse_rows, split_rows
+  h, kvh, d, f, dm = 6, 2, 4, 5, 8
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 3, dm)).astype(np.float32)                      # [B, T, d_model]
+  for layout, sizes in ((qkv_layout(h, kvh, d), (h * d, kvh * d, kvh * d)), (gate_up_layout(f), (f, f))):
+    parts = [rng.standard_normal((n, dm)).astype(np.float32) for n in sizes]   # HF [out, in]
+    fused = fuse_rows(parts, layout)
+    for got, want in zip(split_rows(fused, layout), parts):
+      np.testing.assert_array_equal(got, want)
+    out = np.einsum("btd,od->bto", x, fused)                                   # [B, T, sum(sizes)]
+    ref = [np.einsum("btd,od->bto", x, p) for p in parts]
+    if len(parts) == 3:
+      q, k, v = (np.asarray(a) for a in split_qkv(out, h, kvh, d))
+      np.testing.assert_allclose(q, ref[0].reshape(2, 3, h, d), rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(k, ref[1].reshape(2, 3, kvh, d), rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(v, ref[2].reshape(2, 3, kvh, d), rtol=1e-6, atol=1e-6)
+    else:
+      g, u = (np.asarray(a) for a in split_gate_up(out))
+      np.testing.assert_allclose(g, ref[0], rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(u, ref[1], rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,6 +175,7 @@ def main() -> None:
   from specjax.models.config import ModelConfig
   from specjax.models.kv_cache import KVCache
   from specjax.models.weights import params_from_hf
+  from specjax.parallel.hlo import decode_step_collectives
 
   # 8 query heads in 4 KV groups, QKV bias (qwen2's layout): model = 2 and 4 divide the KV heads
   cfg = ModelConfig(arch="qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=4,
@@ -153,6 +203,8 @@ def main() -> None:
       shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
       layout[name] = [_check_shard(row(np.asarray(s.data)), cfg, m, fused) for s in shards[:m]]
     out["layout"][str(m)] = layout
+  out["collectives"] = {mesh: decode_step_collectives(cfg, parallel.make_mesh(mesh), batch=4, dtype=jnp.float32)
+                        for mesh in COLLECTIVE_MESHES}
   print(json.dumps(out), flush=True)
 
 

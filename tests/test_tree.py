@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof
+from conftest import chi2_gof, place_fused
 from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
 from specjax.engine import RoundInputs, RoundSpec, speculative_generate, verify_tree
@@ -314,11 +314,14 @@ DRAFT_SIGMA = 0.2                                # draft = target + 20% noise
 @pytest.fixture(scope="module")
 def tree_drafter(tiny_llama):
   """A draft model near the target: every tensor plus DRAFT_SIGMA * max(std, 0.1) Gaussian noise
-  (drawn with numpy: no per-leaf compilation)."""
+  (drawn with numpy: no per-leaf compilation; a fused projection's noise drawn for its parts side by
+  side, `place_fused`, so the seed gives one draft model whatever the fused layout)."""
   cfg, params = tiny_llama
   rng = np.random.default_rng(1)
-  noisy = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x) + DRAFT_SIGMA * max(float(np.std(x)), 0.1)
-                                                       * rng.standard_normal(x.shape).astype(np.float32)), params)
+  place = place_fused(cfg)
+  noisy = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray(np.asarray(x) + DRAFT_SIGMA * max(float(np.std(x)), 0.1)
+                                  * place(path, rng.standard_normal(x.shape).astype(np.float32))), params)
   return DraftModelTreeDrafter(cfg=cfg, weights=noisy, **TREE)
 
 

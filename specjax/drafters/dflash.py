@@ -125,13 +125,16 @@ def _context_kv(attn, ctx, ctx_pos):
   """A layer's keys and values of the context features: its own K/V projections (no input norm:
   the features are normed by hidden_norm), k-norm and rotary as for its tokens. -> [B, S, KVH, hd] x2."""
   b, s, _ = ctx.shape
-  nq, nk = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
-  w = attn.qkv_proj.kernel[...][:, nq:]                                           # [D, 2 * KVH * hd]
+  kvh, hd = attn.n_kv_heads, attn.head_dim
+  g = attn.n_heads // kvh
+  # the K and V columns of the fused projection: per KV head, the two after its g query heads
+  kv_cols = lambda x: x.reshape(*x.shape[:-1], kvh, g + 2, hd)[..., g:, :].reshape(*x.shape[:-1], -1)
+  w = kv_cols(attn.qkv_proj.kernel[...])                                          # [D, KVH * 2 * hd]
   kv = jnp.einsum("bsd,do->bso", ctx.astype(w.dtype), w, preferred_element_type=jnp.float32)
   if attn.qkv_proj.bias is not None:
-    kv = kv + attn.qkv_proj.bias[...][nq:].astype(jnp.float32)
-  k = kv[..., :nk].reshape(b, s, attn.n_kv_heads, attn.head_dim)
-  v = kv[..., nk:].reshape(b, s, attn.n_kv_heads, attn.head_dim)
+    kv = kv + kv_cols(attn.qkv_proj.bias[...]).astype(jnp.float32)
+  kv = kv.reshape(b, s, kvh, 2, hd)
+  k, v = kv[:, :, :, 0], kv[:, :, :, 1]                                          # [B, S, KVH, hd]
   if attn.k_norm is not None:
     k = attn.k_norm(k)
   return rope(k, ctx_pos, attn.theta, attn.rope_scaling), v

@@ -31,7 +31,7 @@ from specjax.drafters.head_file import (abstract_params, check_target, fused_siz
                                         params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, model_of
-from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
+from specjax.models.layers import MLP, Linear, RMSNorm, attend, qkv_layout, rope, split_qkv
 from specjax.models.kv_cache import KVCache
 
 FORMAT = "specjax-eagle3-v1"
@@ -85,7 +85,7 @@ class Eagle3Attention(nnx.Module):
   """The layer's projections: q/k/v read the 2 x d_model input (one fused matrix), o writes d_model."""
 
   def __init__(self, d: int, h: int, kvh: int, hd: int, *, dtype, rngs: nnx.Rngs):
-    self.qkv_proj = Linear(2 * d, (h + 2 * kvh) * hd, bias=False, dtype=dtype, rngs=rngs)
+    self.qkv_proj = Linear(2 * d, (h + 2 * kvh) * hd, bias=False, dtype=dtype, rngs=rngs, fused=qkv_layout(h, kvh, hd))
     self.o_proj = Linear(h * hd, d, bias=False, dtype=dtype, rngs=rngs)
 
 
@@ -104,13 +104,9 @@ class Eagle3Layer(nnx.Module):
 
   def project(self, emb, h, positions):
     """emb, h [B, T, D]; positions [B, T] -> q [B, T, H, hd], k, v [B, T, KVH, hd] (q, k rotated)."""
-    b, t, _ = h.shape
     x = jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(h.astype(emb.dtype))], axis=-1)   # [B, T, 2D]
     qkv = self.self_attn.qkv_proj(x)                                           # [B, T, (H+2KVH)*hd]
-    nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-    q = qkv[..., :nq].reshape(b, t, self.n_heads, self.head_dim)
-    k = qkv[..., nq:nq + nk].reshape(b, t, self.n_kv_heads, self.head_dim)
-    v = qkv[..., nq + nk:].reshape(b, t, self.n_kv_heads, self.head_dim)
+    q, k, v = split_qkv(qkv, self.n_heads, self.n_kv_heads, self.head_dim)     # [B, T, H | KVH, hd]
     return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
   def finish(self, h, attn_out):

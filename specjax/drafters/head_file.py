@@ -8,8 +8,10 @@
   target config it was trained for), or a folder holding `<stem>.safetensors` + `<stem>.json`
   (`save_head`, `load_head`);
 - the mapping between the two: each head names, per parameter leaf, the file tensors it is made
-  of (fused leaves are several tensors concatenated on axis 0) and whether the file stores it
-  transposed (`hf_names`, `tensors_from`, `params_from_tensors`).
+  of (a fused leaf is several tensors, their rows interleaved on axis 0 as the projection's
+  `Linear.fused` layout says: `models/weights.py`) and whether the file stores it transposed
+  (`hf_names`, `tensors_from`, `params_from_tensors`). Files hold the parts, never a fused matrix,
+  so a file does not depend on the layout of the fused parameters in memory.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from specjax.errors import UserError
-from specjax.models.weights import FUSED
+from specjax.models.weights import FUSED, fuse_parts, fused_layout, fused_leaves, split_rows
 
 
 def params_of(params) -> dict:
@@ -40,9 +43,24 @@ def graphdef_of(make: Callable[[], nnx.Module]):
   return nnx.split(nnx.eval_shape(make))[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedShape:
+  """An abstract leaf of a fused projection: its shape and dtype, and its layout (`Linear.fused`)."""
+  shape: tuple[int, ...]
+  dtype: object
+  layout: tuple[tuple[int, ...], int]
+
+
 def abstract_params(make: Callable[[], nnx.Module]) -> dict:
-  """The parameter tree of `make()` as a pure dict of shapes (what a file is read into)."""
-  return nnx.to_pure_dict(nnx.split(nnx.eval_shape(make))[1])
+  """The parameter tree of `make()` as a pure dict of shapes (what a file is read into); leaves of
+  fused projections are `FusedShape`s, which say how the file's parts make them."""
+  module = nnx.eval_shape(make)
+  layouts = fused_leaves(module)
+
+  def leaf(path, x):
+    names = tuple(str(getattr(k, "key", k)) for k in path)
+    return FusedShape(tuple(x.shape), x.dtype, layouts[names]) if names in layouts else x
+  return jax.tree_util.tree_map_with_path(leaf, nnx.to_pure_dict(nnx.split(module)[1]))
 
 
 def hf_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
@@ -56,10 +74,10 @@ def hf_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
   return [".".join(parts + [hf_leaf])], leaf == "kernel"
 
 
-def fused_sizes(cfg) -> dict[str, tuple[int, ...]]:
-  """Axis-0 sizes of the parts of each fused projection of a decoder layer of config `cfg`."""
-  h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  return {"qkv_proj": (h * d, kvh * d, kvh * d), "gate_up_proj": (cfg.ffn_dim, cfg.ffn_dim)}
+def fused_sizes(cfg) -> dict[str, tuple[tuple[int, ...], int]]:
+  """How each fused projection of a decoder layer of config `cfg` is made of its parts: module
+  name -> (axis-0 size of each part, groups) (`weights.fused_layout`)."""
+  return fused_layout(cfg)
 
 
 def leaves(tree: dict, prefix: tuple[str, ...] = ()):
@@ -75,8 +93,10 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
                       what: str, dtype=None, prefix: str = "", int_keys: bool = False) -> tuple[dict, set]:
   """A nested dict shaped like `abstract` (leaves with .shape) from the file tensors `flat`.
   file_names(leaf path) -> (tensor names, transposed); `prefix` goes before every name; numeric
-  keys become ints with `int_keys` (nnx lists). Returns (params, names used). Raises KeyError for a
-  missing tensor and ValueError for a shape that does not fit; `what` names the file in messages."""
+  keys become ints with `int_keys` (nnx lists); a fused leaf (`FusedShape`) is its tensors' rows
+  interleaved by its layout (`weights.fuse_rows`). Returns (params, names used). Raises KeyError
+  for a missing tensor and ValueError for a shape that does not fit; `what` names the file in
+  messages."""
   out: dict = {}
   used: set = set()
   for path, leaf in leaves(abstract):
@@ -85,9 +105,13 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
     missing = [n for n in names if n not in flat]
     if missing:
       raise KeyError(f"{what} lacks tensor {missing[0]!r}")
-    arr = np.concatenate([flat[n] for n in names], axis=0)
+    try:
+      arr = fuse_parts(names, [flat[n] for n in names], getattr(leaf, "layout", None)) if len(names) > 1 \
+          else flat[names[0]]
+    except ValueError as e:
+      raise ValueError(f"{what}: {e}") from None
     arr = arr.T if transposed else arr
-    if arr.shape != leaf.shape:
+    if tuple(arr.shape) != tuple(leaf.shape):
       raise ValueError(f"{what}: {names} give shape {arr.shape}, expected {leaf.shape}")
     used.update(names)
     node = out
@@ -137,13 +161,13 @@ def file_paths(path, stem: str):
 def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], tuple[list[str], bool]],
                  fused_sizes: dict, *, dtype, prefix: str = "") -> dict:
   """The inverse of `fill_from_tensors`: file tensors (`dtype`, contiguous) of a nested parameter
-  dict; a fused leaf is split on axis 0 by fused_sizes[<its module name>]."""
+  dict; a fused leaf is split into its parts by the layout fused_sizes[<its module name>]."""
   flat = {}
   for path, arr in leaves(pure):
     names, transposed = file_names(path)
     arr = np.asarray(jnp.asarray(arr, dtype))
     arr = arr.T if transposed else arr
-    pieces = np.split(arr, np.cumsum(fused_sizes[path[-2]])[:-1], axis=0) if len(names) > 1 else [arr]
+    pieces = split_rows(arr, fused_sizes[path[-2]]) if len(names) > 1 else [arr]
     for name, piece in zip(names, pieces):
       flat[prefix + name] = np.ascontiguousarray(piece)
   return flat

@@ -12,6 +12,7 @@ from flax import nnx
 
 from specjax.models.hybrid import HybridLM
 from specjax.models.hybrid_config import HybridConfig, hybrid_config_from_hf
+from specjax.models.weights import fuse_parts, fused_leaves
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
@@ -39,6 +40,7 @@ def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=j
   """Parameters of `cfg` from HF-named tensors; missing / misshapen / unplaced tensors are errors."""
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
   _, state = nnx.split(abstract)
+  layouts = fused_leaves(abstract)            # the MLPs' gate / up, interleaved per unit
   used = set()
 
   def fill(path, leaf):
@@ -47,7 +49,7 @@ def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=j
     missing = [n for n in names if n not in tensors]
     if missing:
       raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(parts)})")
-    arr = np.concatenate([np.asarray(tensors[n]) for n in names], axis=0)
+    arr = fuse_parts(names, [np.asarray(tensors[n]) for n in names], layouts.get(tuple(parts)))
     arr = arr.T if how == "T" else arr.reshape(arr.shape[0], -1) if how == "conv" else arr
     if arr.shape != leaf.shape:
       raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")

@@ -28,13 +28,21 @@ class Linear(nnx.Module):
   The input is rounded to the weight dtype, the product accumulates and is returned in float32:
   with bf16 weights the residual stream stays float32, so a K+1-token verification and a
   one-token decode round identically far more often (fewer greedy divergences from float ties).
+
+  `fused`: for a projection fused from several HF ones, how its output axis is made of them
+  (`qkv_layout`, `gate_up_layout`); loaders read it to place the parts' rows (`weights.fuse_rows`).
   """
 
-  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, invariant: bool = False):
+  def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, invariant: bool = False,
+               fused: tuple[tuple[int, ...], int] | None = None):
     std = d_in ** -0.5
-    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32).astype(dtype) * std)
+    kernel = jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32)
+    if fused is not None:     # drawn as the parts side by side, then placed: a seed gives one function
+      kernel = kernel[:, fused_order(fused)]
+    self.kernel = nnx.Param(kernel.astype(dtype) * std)
     self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
     self.invariant = invariant
+    self.fused = fused
 
   def __call__(self, x: jax.Array) -> jax.Array:
     w = self.kernel[...]
@@ -102,13 +110,65 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) 
 attend = verify_attention.attend_reference   # XLA attention over a dense [B, T, S] mask
 
 
+# Fused projections. A fused output axis is its HF parts' outputs interleaved in groups: group g
+# holds the g-th of `groups` equal slices of every part, in order (`weights.fuse_rows` writes the
+# loaded rows so). q / k / v are grouped per KV head (for KV head g: its H / KVH query heads, then
+# K_g, then V_g) and gate / up per MLP unit (gate_j, up_j). A contiguous split of the output axis
+# over the mesh's "model" axis (`parallel.partition`, whole groups per device) then gives every
+# device matching slices of every part, the query heads of the K / V heads it holds and the gate
+# and up columns of the same units, so attention and the gated product run where the weights are.
+# One order whatever the mesh; on one device a permutation of the output columns (each column the
+# same dot product), so results are those of [Q | K | V] and [gate | up].
+
+
+def grouped_layout(parts: tuple[int, ...], groups: int) -> tuple[tuple[int, ...], int]:
+  """A fused projection's layout: (output size of each HF part, groups), checked."""
+  if any(p % groups for p in parts):
+    raise ValueError(f"fused parts of sizes {parts} do not split into {groups} groups")
+  return tuple(parts), groups
+
+
+def qkv_layout(n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
+  """q / k / v of a (grouped-query) attention, grouped per KV head."""
+  return grouped_layout((n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), n_kv_heads)
+
+
+def gate_up_layout(ffn_dim: int) -> tuple[tuple[int, ...], int]:
+  """gate / up of a gated MLP, interleaved per unit."""
+  return grouped_layout((ffn_dim, ffn_dim), ffn_dim)
+
+
+def fused_order(layout: tuple[tuple[int, ...], int]) -> np.ndarray:
+  """For each fused output column, its index among the HF parts' outputs laid side by side
+  ([Q | K | V], [gate | up]): fused = side_by_side[..., fused_order(layout)]."""
+  sizes, groups = layout
+  side = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
+  return np.concatenate([p.reshape(groups, -1) for p in side], axis=1).reshape(-1)
+
+
+def split_qkv(qkv: jax.Array, n_heads: int, n_kv_heads: int, head_dim: int):
+  """A fused q / k / v projection's output [B, T, (H+2KVH)*D] (`qkv_layout`) -> q [B, T, H, D],
+  k, v [B, T, KVH, D]; query head i belongs to KV head i // (H / KVH), as in HF's GQA."""
+  b, t = qkv.shape[:2]
+  g = n_heads // n_kv_heads
+  qkv = qkv.reshape(b, t, n_kv_heads, g + 2, head_dim)                           # [B, T, KVH, G+2, D]
+  q = qkv[:, :, :, :g].reshape(b, t, n_heads, head_dim)                          # [B, T, H, D]
+  return q, qkv[:, :, :, g], qkv[:, :, :, g + 1]                                 # k, v [B, T, KVH, D]
+
+
+def split_gate_up(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A fused gate / up projection's output [..., 2F] (`gate_up_layout`) -> gate, up [..., F]."""
+  gu = gu.reshape(*gu.shape[:-1], -1, 2)                                         # [..., F, 2]
+  return gu[..., 0], gu[..., 1]
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg, *, sliding: bool, dtype, rngs: nnx.Rngs, invariant: bool = False):
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Q, K and V projections as one matrix [d_model, (H + 2 KVH) * D]: one GEMM launch instead of
-    # three (decode at small batch is bound by launches, not bytes). Loaders concatenate HF's q/k/v.
+    # three (decode at small batch is bound by launches, not bytes), columns grouped per KV head.
     self.qkv_proj = Linear(cfg.d_model, (h + 2 * kvh) * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs,
-                           invariant=invariant)
+                           invariant=invariant, fused=qkv_layout(h, kvh, d))
     self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.o_bias, dtype=dtype, rngs=rngs, invariant=invariant)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(d, cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, invariant=invariant)
@@ -129,10 +189,7 @@ class Attention(nnx.Module):
     and `causal` (the new tokens are a chain at their own slots) instead of `mask`."""
     b, t, _ = x.shape
     qkv = self.qkv_proj(x)                                                        # [B, T, (H+2KVH)*D]
-    nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-    q = qkv[..., :nq].reshape(b, t, self.n_heads, self.head_dim)                  # [B, T, H, D]
-    k = qkv[..., nq:nq + nk].reshape(b, t, self.n_kv_heads, self.head_dim)        # [B, T, KVH, D]
-    v = qkv[..., nq + nk:].reshape(b, t, self.n_kv_heads, self.head_dim)
+    q, k, v = split_qkv(qkv, self.n_heads, self.n_kv_heads, self.head_dim)        # [B, T, H | KVH, D]
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = rope(q, positions, self.theta, self.rope_scaling), rope(k, positions, self.theta, self.rope_scaling)
@@ -151,12 +208,11 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, invariant: bool = False):
     self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False, dtype=dtype, rngs=rngs,
-                               invariant=invariant)                               # [gate | up]
+                               invariant=invariant, fused=gate_up_layout(cfg.ffn_dim))   # gate / up per unit
     self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False, dtype=dtype, rngs=rngs, invariant=invariant)
     self.activation = cfg.activation
 
   def __call__(self, x):
-    gu = self.gate_up_proj(x)                                                     # [B, T, 2F]
-    g, u = jnp.split(gu, 2, axis=-1)
+    g, u = split_gate_up(self.gate_up_proj(x))                                    # [B, T, F] each
     g = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
     return self.down_proj(g * u)

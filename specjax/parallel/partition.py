@@ -18,24 +18,25 @@ write it. Nothing else is decided here: params and inputs are placed with these 
 and `jax.jit` propagates them through the engine's programs (XLA's SPMD partitioner), so a
 sharded run computes what the one-device run computes, up to the order of float reductions.
 
-Note on the fused projections: `qkv_proj` is [Q | K | V] and `gate_up_proj` [gate | up] along
-their output axis (`models/layers.py` slices them so), and a contiguous split over "model" gives a
-device whole parts (on model=2 with GQA: all of Q on one device, K and V on the other; gate on one,
-up on the other) instead of matching slices of each. The result is still correct: XLA moves the
-projected activations to where attention and the gated product need them, 5 collective-permutes
-per layer on model=2 and 12 on model=4 beside Megatron's 2 all-reduces (a compiled one-token
-forward, 8 heads / 4 KV heads). A layout independent of the mesh removes them, with every rule
-here unchanged: the fused columns grouped per KV head ([Q heads of group g | K_g | V_g] for each
-g) and gate / up interleaved per MLP unit, written so by the loader (`models/weights.py`) and read
-so by `layers.py`; a contiguous split then gives each device whole KV groups (`check_target`
-requires model to divide the KV heads) and the gate and up columns of the same units.
-tests/test_partition_layout.py checks the shard contents from the loaded weights.
+Note on the fused projections: the output columns of `qkv_proj` are grouped per KV head (for KV
+head g: its query heads, K_g, V_g) and those of `gate_up_proj` interleaved per MLP unit (gate_j,
+up_j), one order whatever the mesh (`models/layers.py`, written so by the loaders). A contiguous
+split over "model" then gives each device whole KV groups (`check_target` requires model to divide
+the KV heads) and the gate and up columns of the same units, so a decoder layer costs Megatron's
+2 all-reduces and nothing else. Split as whole parts ([Q | K | V], [gate | up]), one device would
+hold all of Q and another K and V, and XLA would move the projected activations to where attention
+and the gated product need them (collective-permutes after every fused projection), as a hybrid
+target's gated attention still does (its `qkv_proj` is [q_proj (query | gate) | k_proj | v_proj],
+`models/hybrid.py`). tests/test_partition_layout.py checks the shard contents from the loaded weights and the
+collectives of a compiled decode step.
 
 Note on per-row writes under "data": XLA keeps a scatter into batch-sharded state local only when
-the batch is a batching dimension of the scatter (a `jax.vmap` of the one-row update). A scatter
-that names its rows by explicit index arrays (`x.at[rows, cols].set(...)`, as `KVCache.write` and
-the history append in `engine/generation.py` are written) makes every device all-gather the
-updates and indices over "data": four all-gathers per layer and decode step for the KV cache.
+the batch is a batching dimension of the scatter (a `jax.vmap` of the one-row update), as
+`KVCache.write` and the history append in `engine/generation.py` are written. A scatter that
+names its rows by explicit index arrays (`x.at[rows, cols].set(...)`) makes every device
+all-gather the updates and indices over "data" (four all-gathers per layer and decode step for
+the KV cache). On one device both forms compile to the same program. `parallel/hlo.py` counts the
+collectives of a compiled decode step.
 """
 
 from __future__ import annotations
