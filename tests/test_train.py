@@ -188,3 +188,16 @@ def test_config_and_command(tmp_path):
     load_spec(bad)
   from specjax.cli import main
   assert main(["train", "mtp", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_resume_refuses_checkpoints_of_another_fused_layout(toy_target, toy_dataset, tmp_path):
+  """Checkpoints record the in-memory order of fused projection columns; a folder written without
+  that record (an older order) is refused on resume instead of being loaded with permuted weights."""
+  from specjax.errors import UserError
+  spec = _spec(toy_dataset, tmp_path / "c")
+  run_training(spec, target=toy_target, progress=False, stop_at=3)
+  layout = tmp_path / "c" / "checkpoints" / "fused_layout.txt"
+  assert layout.exists()
+  layout.unlink()
+  with pytest.raises(UserError, match="fused projections"):
+    run_training(spec, target=toy_target, progress=False)

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from specjax import parallel
+from specjax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +98,20 @@ def _train_step(loss_fn, clip_norm, b1, b2, weight_decay):
   return opt, jax.jit(step_fn, donate_argnums=(0, 1))
 
 
+# The in-memory order of fused projection columns (models/layers.py: q/k/v grouped per KV head,
+# gate/up interleaved per unit). Checkpoints hold parameters in that order, so a folder records it
+# and a resume from another order is refused rather than silently permuting the weights.
+FUSED_LAYOUT = "grouped-per-kv-head+gate-up-interleaved"
+
+
 class Checkpoints:
-  """Orbax checkpoints of {params, opt_state} per step under `directory`."""
+  """Orbax checkpoints of {params, opt_state} per step under `directory` (beside them
+  `fused_layout.txt`: the fused-column order they hold)."""
 
   def __init__(self, directory: str | Path, keep: int = 2):
     import orbax.checkpoint as ocp
     self._ocp = ocp
+    self._layout_file = Path(directory).absolute() / "fused_layout.txt"
     self.manager = ocp.CheckpointManager(
         Path(directory).absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False))
@@ -113,11 +122,18 @@ class Checkpoints:
   def save(self, step: int, tree) -> None:
     self.manager.save(step, args=self._ocp.args.StandardSave(tree))
     self.manager.wait_until_finished()
+    if jax.process_index() == 0 and not self._layout_file.exists():
+      self._layout_file.write_text(FUSED_LAYOUT + "\n")
 
   def restore(self, step: int, like, sharded: bool = False):
     """The tree saved at `step`, shaped like `like`, as uncommitted arrays (as fresh ones are:
     committed arrays would make the jitted step compile a second time); with `sharded`, on the
     shardings of `like` (a run on a mesh), each device reading its own shards."""
+    found = self._layout_file.read_text().strip() if self._layout_file.exists() else "columns side by side"
+    if found != FUSED_LAYOUT:
+      raise UserError(f"{self._layout_file.parent}: these checkpoints hold fused projections as {found!r}, this "
+                      f"specjax keeps them as {FUSED_LAYOUT!r}; resuming would permute their weights. Start a "
+                      "fresh run (another output folder) or resume with the specjax that wrote them")
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), like)
     tree = self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
