@@ -158,6 +158,30 @@ def test_greedy_decode_tokens_equal_the_xla_path(name):
   np.testing.assert_allclose(np.asarray(lf), np.asarray(lx), rtol=1e-4, atol=1e-4)
 
 
+def test_engine_runs_the_fused_layer_under_the_switch_and_stays_lossless(monkeypatch):
+  """SPECJAX_FUSED_DECODE=1: the engine's target is the fused one, its verification rounds trace
+  through `fused_block`, and speculative greedy output equals plain greedy output (XLA layer)."""
+  from specjax.drafters.ngram_device import NgramSimpleDevice
+  from specjax.engine import speculative_generate
+  from specjax.engine.decode import generate_plain
+  from specjax.engine.generation import target_of
+  from specjax.drafters.base import DraftParams
+  cfg = CONFIGS["qwen2-bias"].replace(vocab_size=24)           # a small vocabulary: answers repeat, n-grams hit
+  params = random_params(cfg, seed=5)
+  prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6]]
+  monkeypatch.delenv(fused_layer.FUSED_ENV, raising=False)
+  want = generate_plain(params, cfg, prompts, max_new_tokens=12, capacity=96).tokens
+  monkeypatch.setenv(fused_layer.FUSED_ENV, "1")
+  assert isinstance(target_of(cfg), fused_layer.FusedDecoderTarget)
+  traced = []
+  real = fused_layer.fused_block
+  monkeypatch.setattr(fused_layer, "fused_block", lambda *a, **k: traced.append(1) or real(*a, **k))
+  out = speculative_generate(params, cfg, prompts, NgramSimpleDevice(2, 3, width=3), max_new_tokens=12,
+                             capacity=96, draft_params=DraftParams(n_max=3))
+  assert traced, "the fused layer was not traced"
+  assert out.tokens == want and out.stats.gen_tokens > 0
+
+
 def test_switch_and_fallbacks(monkeypatch):
   monkeypatch.delenv(fused_layer.FUSED_ENV, raising=False)
   assert not fused_layer.serves(BASE, 1)                                          # off by default

@@ -40,8 +40,13 @@ class GenState:
 
 def target_of(cfg, rollback: str = "per_step"):
   """How the loops run the target of `cfg`: init / forward / verify / commit of its state.
-  `rollback` ("per_step" | "redecode") applies to targets with recurrent state."""
-  return HybridTarget(rollback) if isinstance(cfg, HybridConfig) else DecoderTarget()
+  `rollback` ("per_step" | "redecode") applies to targets with recurrent state. With
+  SPECJAX_FUSED_DECODE=1, decode and verification steps of attention-only targets run the fused
+  Pallas layer (`models/fused_layer.py`; opt-in until it measures faster)."""
+  if isinstance(cfg, HybridConfig):
+    return HybridTarget(rollback)
+  from specjax.models import fused_layer
+  return fused_layer.FusedDecoderTarget() if fused_layer.enabled() else DecoderTarget()
 
 
 PROMPT_BUCKET = 64   # prompt widths are padded to a multiple of this, so new lengths rarely recompile
