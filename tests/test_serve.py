@@ -1,15 +1,21 @@
 """The server: continuous batching is lossless per request (streamed greedy tokens through the
-official `openai` client equal offline greedy generation of each prompt alone), per-request
-speculative fields change only that request's drafting, a bounded load test (valid, cancelled and
-malformed requests) leaves the server healthy with every valid request answered, a full queue
-answers 429 over HTTP, and adaptive drafting over the live batch stays lossless and drops a
-drafter that never lands."""
+official `openai` client equal offline greedy generation of each prompt alone: the real SmolLM2
+with two clients, and tiny random models with six requests over live slots gathered into batch
+buckets, several rounds per device call, stop tokens and max_tokens reached inside a call's rounds,
+plain / device / host drafters, several arrival orders), per-request speculative fields change
+only that request's drafting, a bounded load test (valid, cancelled and malformed requests)
+leaves the server healthy with every slot free, a full queue answers 429, the metrics count every
+round's tokens and finish reasons, a cancel takes effect within one call, and the rounds per call
+follow the waiting requests. Adaptive drafting: test_serve_adaptive.py; bench-serve:
+test_bench_serve.py."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import json
+import re
+import threading
 
 import httpx
 import pytest
@@ -18,7 +24,7 @@ from conftest import TINY_LLAMA, random_params
 from specjax.models.load import LoadedModel
 from specjax.serve.app import run_in_thread
 from specjax.serve.cli import build_server
-from specjax.serve.scheduler import GenRequest, QueueFull, Scheduler
+from specjax.serve.scheduler import GenRequest, Scheduler
 
 TINY_PARAMS = random_params(TINY_LLAMA, seed=0)
 
@@ -142,35 +148,14 @@ def test_load_cancel_malformed_then_healthy(tiny_server):
   assert all(code == 200 and short == 0 for _, code, short in kinds["valid"]), kinds["valid"]
   assert all(code == 400 and msg > 10 for _, code, msg in kinds["malformed"])
   assert len(kinds["valid"]) == 160 and len(kinds["cancelled"]) == 20 and len(kinds["malformed"]) == 20
+  _wait(lambda: server.scheduler.running() == 0)          # cancelled and disconnected requests freed their slots
   health = httpx.get(f"{url}/health").json()
-  assert health["status"] == "ok" and health["waiting"] == 0
+  assert health["status"] == "ok" and health["waiting"] == 0 and not server.scheduler.engine.live.any()
   metrics = httpx.get(f"{url}/metrics").text
   for name in ("specjax_tokens_per_second", "specjax_tau", "specjax_acceptance_by_position",
                "specjax_queue_length", "specjax_running_slots"):
     assert name in metrics
   assert 'specjax_requests_total{reason="cancelled"}' in metrics
-
-
-def test_full_queue_refuses(tiny_server):
-  """Past max_queue waiting requests, submit raises QueueFull (HTTP 429)."""
-  server, _ = tiny_server
-  sched = Scheduler(server.scheduler.engine, max_queue=1)       # not started: nothing leaves the queue
-  sched.submit(GenRequest([1, 2]), lambda e: None)
-  with pytest.raises(QueueFull):
-    sched.submit(GenRequest([1, 2]), lambda e: None)
-
-
-def test_bench_serve_summary_and_plot(tmp_path):
-  """bench-serve's per-level numbers (TTFT, TPOT after the first token, tau without the prefill's
-  token) and its plot of throughput against concurrency."""
-  from specjax.serve.bench_serve import Sample, plot, summarize
-  row = summarize([Sample(True, ttft=0.5, latency=1.5, n_out=11, rounds=5), Sample(False)], wall=2.0)
-  assert row["ok"] == 1 and row["throughput_tok_s"] == 5.5 and row["tau"] == 2.0
-  assert row["tpot_s"]["mean"] == pytest.approx(0.1) and row["ttft_s"]["p50"] == 0.5
-  rows = [{"method": m, "concurrency": c, "throughput_tok_s": t} for m, c, t in
-          [("plain", 1, 10), ("plain", 8, 50), ("ngram_simple", 1, 15), ("ngram_simple", 8, 60)]]
-  plot(rows, tmp_path / "b.png")
-  assert (tmp_path / "b.png").stat().st_size > 1000
 
 
 async def _completions(url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -204,96 +189,196 @@ def test_full_queue_answers_429_over_http():
     http.should_exit = True
 
 
-ADAPTIVE_PROMPTS = [[1 + i % 13, 2, 3 + i % 5, 7, (3 * i) % 16] for i in range(6)]
-ADAPTIVE_NEW = 48
+TINY_PROMPTS = [[1 + i % 13, 2, 3 + i % 5, 7, (3 * i) % 16] for i in range(6)]
+OFFLINE_NEW = 64
 
 
 @pytest.fixture(scope="module")
 def offline_tiny():
-  """Offline plain greedy generation of each ADAPTIVE_PROMPTS prompt alone."""
+  """Offline plain greedy generation of each TINY_PROMPTS prompt alone (OFFLINE_NEW tokens, no stop token)."""
   from specjax.engine.decode import generate_plain
-  return [generate_plain(TINY_PARAMS, TINY_LLAMA, [p], max_new_tokens=ADAPTIVE_NEW).tokens[0]
-          for p in ADAPTIVE_PROMPTS]
+  return [generate_plain(TINY_PARAMS, TINY_LLAMA, [p], max_new_tokens=OFFLINE_NEW).tokens[0]
+          for p in TINY_PROMPTS]
 
 
-def _all_at_once(url: str, speculative: list[dict | None]) -> list[dict]:
-  """ADAPTIVE_PROMPTS sent together, greedy, each with its `speculative` field -> response bodies."""
-  bodies = [{"prompt": p, "max_tokens": ADAPTIVE_NEW, "temperature": 0.0, **({"speculative": s} if s else {})}
-            for p, s in zip(ADAPTIVE_PROMPTS, speculative)]
-  answers = asyncio.run(_completions(url, bodies))
-  assert all(r.status_code == 200 for r in answers)
-  return [r.json() for r in answers]
+BUCKET_NEW = [4, 8, 12, 24, 40, 64]     # max_tokens: staggered ends, so the live slots pass through the buckets
+STOP = 0                                 # a stop token that offline greedy reaches mid-stream in requests 1-4
+SEND_ORDER = {"together": [0] * 6, "reversed": [5, 4, 3, 2, 1, 0], "shuffled": [3, 0, 5, 1, 4, 2]}   # x 20 ms
 
 
-def test_adaptive_lossless_and_fields_stay_per_request(offline_tiny):
-  """Adaptive drafting (device ngram_simple, replayed acceptance) over 4 slots and 6 requests, one
-  with speculation off and one limited to one draft token: every request equals offline greedy
-  generation of its prompt alone, whatever widths the batch ran; the off request never drafts and
-  the limited one drafts at most one token a round, while the others do speculate. Costs are fixed
-  in the config, so the widths follow acceptance only, not this machine's timing."""
-  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
-  server = build_server(target, "ngram_simple", slots=4, capacity=128, n_max=4, options={"size_n": 2},
-                        adaptive={"costs": [1.0, 1.2, 1.4, 1.8]})
-  http, url = run_in_thread(server.app())
-  try:
-    fields = [None, None, {"enabled": False}, {"n_max": 1}, None, None]
-    out = _all_at_once(url, fields)
-  finally:
-    http.should_exit = True
-  for body, want in zip(out, offline_tiny):
-    assert body["choices"][0]["token_ids"] == want
-  usage = [b["usage"]["speculative"] for b in out]
-  assert usage[2]["draft_tokens"] == 0 and usage[2]["rounds"] == ADAPTIVE_NEW - 1
-  assert usage[3]["draft_tokens"] <= usage[3]["rounds"]
-  assert sum(u["draft_tokens"] for i, u in enumerate(usage) if i not in (2, 3)) > 0
-  widths = server.scheduler.engine.control.rounds_by_width
-  assert widths[0] > 0 and sum(n for w, n in widths.items() if w > 0) > 0     # both plain steps and rounds
+class _StopTokens:
+  """TINY_LLAMA's token ids shown as letters, with STOP as the end of a turn."""
+  eos_ids = (STOP,)
+
+  def decode(self, ids):
+    return "".join(chr(97 + t) for t in ids)
 
 
-def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
-  """A randomly initialised MTP head (its drafts are almost never the target's tokens), widths 0
-  and 2 with costs timed by the warm-up: after the first rounds of each request the batch runs at
-  width 0, and the output is still offline greedy."""
+def _expected(want: list[int], n: int) -> tuple[list[int], str]:
+  """Offline greedy tokens of a request with max_tokens n and stop token STOP -> (tokens, finish reason)."""
+  if STOP in want[:n]:
+    return want[:want.index(STOP) + 1], "stop"
+  return want[:n], "length"
+
+
+def _bucket_server(speculator):
+  """A 4-slot server over TINY_LLAMA (stop token STOP) with buckets of 1, 2 and 4 rows and up to
+  4 rounds per device call: plain decoding, device ngram_simple, a random MTP head, or host
+  ngram_simple ("ngram_host")."""
   from specjax.drafters.mtp import init_heads
-  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
-  server = build_server(target, "mtp", head=init_heads(TINY_LLAMA, 2, seed=1), slots=4, capacity=128, n_max=2,
-                        adaptive={"widths": [0, 2]})
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS, tokenizer=_StopTokens())
+  extra = {"ngram_simple": {"options": {"size_n": 2}}, "mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1)},
+           "ngram_host": {"options": {"size_n": 2, "device": False}}, None: {}}[speculator]
+  server = build_server(target, speculator and speculator.replace("_host", "_simple"), slots=4, capacity=128,
+                        n_max=2, buckets=(1, 2), rounds_per_call=4, **extra)
+  assert server.scheduler.engine.buckets == (1, 2, 4)
+  assert speculator != "ngram_host" or not server.scheduler.engine.drafter.on_device
+  return server
+
+
+@pytest.mark.parametrize("speculator,order", [(None, "together"), ("ngram_simple", "reversed"), ("mtp", "shuffled"),
+                                              ("ngram_host", "together")])
+def test_buckets_and_multi_round_calls_stay_lossless(offline_tiny, speculator, order):
+  """Six greedy requests streamed through the openai client into 4 slots, sent together or one
+  by one in some order: as requests end (at their max_tokens or at the stop token, mostly inside a
+  call's rounds) and queued ones join, the rounds switch buckets (which ones depends on this
+  machine's timing; `test_every_bucket_lossless_call_by_call` runs each for certain), and each
+  request's tokens and finish reason equal offline greedy generation of its prompt alone. Calls
+  ran several rounds (a chunk carries several rounds' tokens); the metrics count every round's
+  tokens and every request's finish reason; every slot is free at the end."""
+  import openai
+  server = _bucket_server(speculator)
   engine = server.scheduler.engine
-  engine.warm()
-  assert engine.control.costs.shape == (2,) and (engine.control.costs > 0).all()
   http, url = run_in_thread(server.app())
   try:
-    out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))
+    clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) for _ in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      streams = list(pool.map(lambda i: _openai_completion(clients[i], i, 0.02 * SEND_ORDER[order][i]), range(6)))
+    metrics = httpx.get(f"{url}/metrics").text
+    _wait(lambda: server.scheduler.running() == 0)
   finally:
     http.should_exit = True
-  for body, want in zip(out, offline_tiny):
-    assert body["choices"][0]["token_ids"] == want
-  widths = engine.control.rounds_by_width
-  assert widths[0] >= 0.75 * sum(widths.values()), widths
-  for body in out:
-    u = body["usage"]["speculative"]
-    assert u["draft_tokens"] <= 2 * 8 and u["accepted_tokens"] <= u["draft_tokens"] // 2, u
+  expected = [_expected(want, n) for want, n in zip(offline_tiny, BUCKET_NEW)]
+  for (ids, _, finish, usage), (want, reason) in zip(streams, expected):
+    assert (ids, finish) == (want, reason)
+    assert usage.completion_tokens == len(ids)
+    if speculator is None:
+      assert usage.model_extra["speculative"]["rounds"] == len(ids) - 1
+  assert {r for _, r in expected} == {"stop", "length"}
+  rounds = {b: float(x) for b, x in re.findall(r'specjax_rounds_at_batch_total\{batch="(\d+)"\} (\S+)', metrics)}
+  assert rounds and set(rounds) <= {"1", "2", "4"}, rounds
+  calls = float(re.search(r"^specjax_device_calls_total (\S+)$", metrics, re.M).group(1))
+  if engine.rounds_max > 1:
+    assert calls < sum(rounds.values())                                 # some calls ran more than one round
+    assert max(len(c) for _, chunks, _, _ in streams for c in chunks) > 1 + engine.max_draft
+  generated = float(re.search(r"^specjax_generated_tokens_total (\S+)$", metrics, re.M).group(1))
+  assert generated == sum(len(ids) - 1 for ids, *_ in streams)          # every token after the prefill's
+  for reason in ("stop", "length"):
+    n = sum(r == reason for _, r in expected)
+    assert f'specjax_requests_total{{reason="{reason}"}} {n}.0' in metrics
+  assert not engine.live.any()
 
 
-def test_bench_serve_config_methods_and_levels():
-  """A bench-serve config: a bench config's methods (some kept by name) plus a checked serve:
-  section; requests per level grow with the clients; a method's n_min travels in each request."""
-  from specjax.bench.config import ConfigError
-  from specjax.serve.bench_config import spec_from_dict
-  from specjax.serve.bench_serve import BenchServeConfig, request_fields
-  data = {"name": "s", "target": "smollm2-135m-instruct", "methods": [
-      {"name": "ng", "speculator": "ngram_simple", "options": {"size_n": 3}, "draft_params": {"n_max": 8, "n_min": 1}},
-      {"name": "ng_adaptive", "speculator": "ngram_simple", "adaptive": True}],
-      "serve": {"concurrency": [1, 64], "num_prompts": 16, "prompts_per_client": 2}}
-  spec = spec_from_dict(data, methods=["ng_adaptive"])
-  assert [m.name for m in spec.experiment.methods] == ["ng_adaptive"] and spec.serve.concurrency == (1, 64)
-  with pytest.raises(ConfigError, match="no method"):
-    spec_from_dict(data, methods=["nope"])
-  with pytest.raises(ConfigError, match="serve.slots"):
-    spec_from_dict({**data, "serve": {"slots": 0}})
-  with pytest.raises(ConfigError, match="unknown key"):
-    spec_from_dict({**data, "serve": {"levels": [1]}})
-  cfg = BenchServeConfig(methods=[None], concurrency=[1, 64], rates=[], num_prompts=16, prompts_per_client=2)
-  assert cfg.requests_at("concurrency", 1) == 16 and cfg.requests_at("concurrency", 64) == 128
-  assert request_fields(spec_from_dict(data).experiment.methods[0]) == {"speculative": {"n_min": 1}}
-  assert request_fields(None) == {}
+def _openai_completion(client, i: int, delay: float = 0.0):
+  """Request i (TINY_PROMPTS[i], BUCKET_NEW[i] tokens), greedy, streamed through the openai
+  `client` after `delay` seconds -> (token ids, the ids of each chunk, finish reason, usage)."""
+  threading.Event().wait(delay)
+  ids, chunks, finish, usage = [], [], None, None
+  for chunk in client.completions.create(model="tiny", prompt=TINY_PROMPTS[i], max_tokens=BUCKET_NEW[i],
+                                         temperature=0.0, stream=True, stream_options={"include_usage": True}):
+    usage = chunk.usage or usage
+    for c in chunk.choices:
+      new = (c.model_extra or {}).get("token_ids") or []
+      ids += new
+      chunks += [new] if new else []
+      finish = c.finish_reason or finish
+  return ids, chunks, finish, usage
+
+
+def test_every_bucket_lossless_call_by_call(offline_tiny):
+  """The scheduler driven one iteration at a time (no thread: the live slots are exactly known)
+  with a random MTP head: request 5 alone runs a batch-1 call, with request 4 a batch-2 call, then
+  with the other four (two waiting for a slot) batch-4 calls, fewer buckets again as they end;
+  every request's tokens and finish reason equal offline greedy generation of its prompt alone."""
+  sched = _bucket_server("mtp").scheduler
+  step, batches, events = sched.engine.step, [], {i: [] for i in range(6)}
+
+  def counted(rounds):
+    out = step(rounds)
+    batches.append(out.batch)
+    return out
+  sched.engine.step = counted
+  for stage in ([5], [4], [0, 1, 2, 3]):
+    for i in stage:
+      sched.submit(GenRequest(TINY_PROMPTS[i], max_tokens=BUCKET_NEW[i]), events[i].append)
+    sched._iteration()
+  while sched.running() or sched.queue_length() or sched._joining:
+    sched._iteration()
+  assert batches[:3] == [1, 2, 4] and batches[-1] == 1, batches
+  for i, want in enumerate(offline_tiny):
+    tokens = sum((e.get("tokens", []) for e in events[i]), [])
+    assert (tokens, events[i][-1]["finish_reason"]) == _expected(want, BUCKET_NEW[i])
+  assert not sched.engine.live.any()
+
+
+def test_cancel_within_one_call():
+  """A request cancelled when its first tokens arrive gets at most one more call's tokens (the
+  call that was running), ends "cancelled", and its slot is free again; the model thread keeps
+  serving: a request done at its first token (max_tokens 1) and one beside it complete in full,
+  and every slot is free after them."""
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
+  sched = build_server(target, "ngram_simple", slots=2, capacity=128, n_max=4, options={"size_n": 2}).scheduler
+  engine = sched.engine
+  events, done = [], []
+
+  def sink(e):
+    events.append(e)
+    if "tokens" in e and len(events) == 1:
+      sched.cancel(handle)
+  handle = sched.submit(GenRequest([1, 2, 3], max_tokens=100), sink)
+  sched.start()
+  try:
+    _wait(lambda: handle.finished)
+    tokens = sum(len(e.get("tokens", [])) for e in events)
+    assert events[-1]["finish_reason"] == "cancelled" and 1 <= tokens <= 1 + engine.rounds_max * (engine.max_draft + 1)
+    assert sched.running() == 0 and not engine.live.any()
+    one = []
+    sched.submit(GenRequest([4, 5], max_tokens=1), one.append)
+    sched.submit(GenRequest([4, 5], max_tokens=9), done.append)
+    _wait(lambda: all(x and "finish_reason" in x[-1] for x in (one, done)))
+    tokens = [sum((e.get("tokens", []) for e in x), []) for x in (one, done)]
+    assert one[-1]["finish_reason"] == done[-1]["finish_reason"] == "length"
+    assert len(tokens[0]) == 1 and len(tokens[1]) == 9 and tokens[1][0] == tokens[0][0]
+    _wait(lambda: sched.running() == 0)
+    assert not engine.live.any()
+  finally:
+    sched.stop()
+
+
+def _wait(ready, seconds: float = 60.0) -> None:
+  for _ in range(int(seconds / 0.05)):
+    if ready():
+      return
+    threading.Event().wait(0.05)
+  raise TimeoutError("the model thread did not answer")
+
+
+class _Slots:
+  """The parts of a `SlotEngine` the scheduler's choice of rounds per call reads."""
+  b, chunk, rounds_max, max_draft = 2, 64, 8, 3
+
+
+def test_rounds_per_call_follow_waiting_requests():
+  """The engine's most rounds per call while nothing waits; one while a prompt is prefilled in
+  chunks; while requests wait for a full batch, the rounds until a running request may end (its
+  budget at the widest draft)."""
+  sched = Scheduler(_Slots(), max_queue=4)
+  assert sched._next_rounds() == 8
+  a, b = (sched.submit(GenRequest([1], max_tokens=n), lambda e: None) for n in (40, 100))
+  sched._waiting.clear()
+  sched._slots = [a, b]
+  a.n_out = 30                                             # 10 tokens left: 3 rounds of 4 at the fastest
+  sched._waiting.append(sched.submit(GenRequest([1]), lambda e: None))
+  assert sched._next_rounds() == 3
+  sched._joining.append((sched._waiting.popleft(), None))
+  assert sched._next_rounds() == 1

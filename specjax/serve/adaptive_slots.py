@@ -1,6 +1,7 @@
-"""Adaptive drafting over the live slot batch: before every round, the verification width (0: a
-plain decode step) and each slot's draft length, chosen from the slots' running acceptance and the
-measured cost of a round at each width, so that speculation is dropped where it costs throughput.
+"""Adaptive drafting over the live slot batch: before every device call (one or more rounds), the
+verification width (0: a plain decode step) and each slot's draft length, chosen from the slots'
+running acceptance and the measured cost of a round at each width, so that speculation is dropped
+where it costs throughput.
 
 The estimates are the offline loops' (`specjax.engine.adaptive`); the rule is throughput, expected
 tokens per millisecond over the live slots, since finished slots are refilled (there is no static
@@ -23,8 +24,13 @@ batch whose slowest sequence sets the time):
 A slot's estimates restart when a request joins it (the prior; for replay, the batch's pooled
 figure), so a drafter that never lands costs a new request a few rounds. A request that turned
 speculation off counts one token per round at every width. cost(w) is the wall time of this
-server's own rounds at width w: the warm-up's timing first, then a running average (weight of the
-past `decay`) of the rounds that ran at w, host overhead and drafting included.
+server's own rounds at width w in the call's batch bucket: the warm-up's timing first, then a
+running average (weight of the past `decay`) of the rounds that ran at w, host overhead and
+drafting included, each counted at most `STALL` times the running figure (a call that waited for
+the interpreter lock or a compilation would otherwise make its width look dear for many rounds).
+A plan holds for one device call of several rounds; without replay it covers no more rounds than
+have been observed since a request last joined, and one round where the width wins only on the
+optimism about rarely seen positions (a probe, which a single round answers).
 
 Device drafters draft up to the round's width at no extra cost, so every speculating slot drafts
 min(n_max, width), and the round runs at the narrowest width that holds what the rule asked for;
@@ -44,11 +50,15 @@ from specjax.engine import adaptive as adapt
 from specjax.engine.adaptive_replay import ReplayState, replay_segment
 
 
+STALL = 2.0      # a round's observed time counts at most this multiple of its width's running cost
+
+
 @dataclasses.dataclass
 class RoundPlan:
   """What the next round runs."""
   width: int               # verification width (0: no slot drafts; a plain decode step where possible)
   lengths: np.ndarray      # [B] int32 draft tokens each slot may propose (<= width)
+  rounds: int = 1          # rounds run on this plan (an exploring stretch is not extended past its end)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "widths", "window", "decay", "prior_rounds"))
@@ -65,11 +75,13 @@ def _replay(rs: ReplayState, joined, join_len, history, hist_len, *, drafter, wi
 
 
 class SlotWidthController:
-  """Per-round width and draft lengths for B slots of one chain drafter: `plan` before a round,
-  `observe` after it, `join` when a request takes a slot."""
+  """Width and draft lengths for B slots of one chain drafter: `plan` before a call of rounds,
+  `observe` after each of its rounds, `join` when a request takes a slot."""
 
-  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter):
+  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1):
+    """`rounds_per_call`: the most rounds the server runs on one plan (the replay's reach)."""
     self.ac, self.drafter, self.k = ac, drafter, drafter.max_draft
+    self.rounds_per_call = rounds_per_call
     self.device_drafter = drafter.on_device
     self.replayed = drafter.on_device and drafter.replayable
     self.widths = ac.widths_for(self.k)                                     # ascending, 0 first
@@ -80,42 +92,70 @@ class SlotWidthController:
     self.acceptance = adapt.AdaptiveState.init(slots, ac, np)
     self.rates = adapt.PositionRates(self.k, ac)
     self.round = 0
+    self._bucket_costs: dict[int, np.ndarray] = {}                          # [W] per bucket smaller than every slot
+    self._since_replay = 0                                                  # rounds observed since the replay last extended
+    self._since_join = 0                                                    # rounds observed since a request last joined
     self.rounds_by_width = {w: 0 for w in self.widths}
     self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
     self._replay_state = None
     self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
 
   def set_costs(self, costs_ms) -> None:
-    """The warm-up's timed cost of a round at every width (kept when the config fixes costs)."""
+    """The warm-up's timed cost of a round of every slot at every width (kept when the config
+    fixes costs); smaller buckets start from it."""
     if not self.fixed_costs:
       self.costs = np.maximum(np.asarray(costs_ms, np.float64), 1e-3)
+      self._bucket_costs = {}
+
+  def _costs_at(self, bucket: int | None) -> np.ndarray:
+    """[W] the running cost of a round at each width over `bucket` gathered slots (None: every slot)."""
+    if bucket is None or self.fixed_costs:
+      return self.costs
+    return self._bucket_costs.setdefault(bucket, self.costs.copy())
 
   def join(self, slot: int, hist_len: int) -> None:
     """A new request in `slot` (its history `hist_len` tokens long): its estimates restart."""
     prior = adapt.AdaptiveState.init(1, self.ac, np)
     self.acceptance.accepted[slot], self.acceptance.trials[slot] = prior.accepted[0], prior.trials[0]
     self._joined[slot], self._join_len[slot] = True, hist_len
+    self._since_join = 0
     self.tau[:, slot] = np.mean(self.tau, axis=1) if self.replayed else 1.0
 
-  def plan(self, n_max: np.ndarray, n_min: np.ndarray, live: np.ndarray) -> RoundPlan:
-    """n_max [B] each slot's request limit (0: speculation off), n_min [B], live [B] bool."""
+  def plan(self, n_max: np.ndarray, n_min: np.ndarray, live: np.ndarray, rounds: int = 1,
+           bucket: int | None = None) -> RoundPlan:
+    """The plan of the next call of up to `rounds` rounds over `bucket` gathered slots (None: every
+    slot), whose costs the rule reads. Without replay a plan covers no more rounds than have been
+    observed since a request last joined (a joining slot starts from the prior, which each round's
+    observation corrects; replay refreshes per segment, whatever the calls), nor past the start or
+    end of an exploring stretch. n_max [B] each slot's request limit (0: speculation off), n_min
+    [B], live [B] bool."""
+    costs = self._costs_at(bucket)
+    if not self.replayed:
+      rounds = max(1, min(rounds, self._since_join))
     n_max = np.where(live, n_max, 0)
+    period = self.ac.explore_every * self.ac.segment_rounds
+    at = self.round % period
+    exploring = not self.replayed and at < self.ac.explore_rounds
+    if not self.replayed:        # a call ends where an exploring stretch starts or ends
+      rounds = min(rounds, self.ac.explore_rounds - at if exploring else period - at)
     if self.replayed:
-      width = self.widths[self._best_replayed(n_max, live)]
+      width = self.widths[self._best_replayed(n_max, live, costs)]
       asked = np.minimum(n_max, width)
-    elif self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
+    elif exploring:
       asked = n_max                                       # exploring: every speculating slot drafts all it may
     else:
       caps = adapt.longest_useful(self.acceptance.alpha, n_max, self.ac.reach_min)       # [B]
-      wi = adapt.choose_width_np(self.rates.optimistic(self.ac.optimism), caps, live, self.widths, self.costs)
+      wi = adapt.choose_width_np(self.rates.optimistic(self.ac.optimism), caps, live, self.widths, costs)
+      if wi != adapt.choose_width_np(self.rates.rates, caps, live, self.widths, costs):
+        rounds = 1              # a probe (the width wins on optimism about rarely seen positions): one round
       asked = np.minimum(self.widths[wi], caps)
     width = self._holding(int(asked.max(initial=0)))
     lengths = np.minimum(n_max, width) if self.device_drafter else asked
     lengths = np.where(lengths < n_min, 0, lengths).astype(np.int32)      # shorter drafts would not be verified
-    self.round += 1
-    return RoundPlan(width=width if lengths.any() else 0, lengths=lengths)
+    self.round += rounds
+    return RoundPlan(width=width if lengths.any() else 0, lengths=lengths, rounds=rounds)
 
-  def _best_replayed(self, n_max, live) -> int:
+  def _best_replayed(self, n_max, live, costs) -> int:
     """Index of the width with the most replayed tokens per ms over the live slots; a slot drafts
     at most its n_max, so at a wider width it counts its tau at the widest width it reaches."""
     idx = np.arange(len(self.widths))
@@ -123,24 +163,29 @@ class SlotWidthController:
     eff = np.minimum(idx[:, None], reach[None, :])                                  # [W, B]
     tau = np.take_along_axis(self.tau, eff, axis=0)
     gain = np.sum(np.where(live[None, :], tau, 0.0), axis=1)                        # [W]
-    return int(np.argmax(gain / self.costs))
+    return int(np.argmax(gain / costs))
 
   def _holding(self, n: int) -> int:
     """The narrowest width that holds a draft of n tokens."""
     return next(w for w in self.widths if w >= min(n, self.k))
 
-  def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len) -> None:
-    """After a round that ran at `width` (host drafters: the width their drafts needed) in `ms`
-    milliseconds: drafted [B] draft tokens verified, accepted [B], live [B] (before the round);
-    history [B, H] and hist_len [B]: the slot batch's token history now (device arrays)."""
+  def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len,
+              bucket: int | None = None) -> None:
+    """After a round that ran at `width` (host drafters: the width their drafts needed) over
+    `bucket` gathered slots in `ms` milliseconds: drafted [B] draft tokens verified, accepted [B],
+    live [B] (before the round); history [B, H] and hist_len [B]: the slot batch's token history
+    now (device arrays)."""
     self.acceptance = adapt.update(self.acceptance, drafted, accepted, live, self.ac.decay)
     if plan.lengths.any():
       self.rates.observe_round(plan.lengths, accepted, live)
     self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
     if not self.fixed_costs and width in self.widths:
-      i = self.widths.index(width)
-      self.costs[i] = self.ac.decay * self.costs[i] + (1.0 - self.ac.decay) * ms
-    if self.replayed and self.round % self.ac.segment_rounds == 0:
+      i, costs = self.widths.index(width), self._costs_at(bucket)
+      ms = min(ms, STALL * costs[i])      # a call held up by the host says little about its width
+      costs[i] = self.ac.decay * costs[i] + (1.0 - self.ac.decay) * ms
+    self._since_replay += 1
+    self._since_join += 1
+    if self.replayed and self._since_replay >= self.ac.segment_rounds:
       self._extend_replay(history, hist_len)
 
   def compile(self, history, hist_len) -> None:
@@ -151,7 +196,9 @@ class SlotWidthController:
   def _extend_replay(self, history, hist_len) -> None:
     if self._replay_state is None:
       self._replay_state = ReplayState.init(jnp.asarray(self._join_len), len(self.widths))
-    window = self.ac.segment_rounds * (self.k + 1) + self.k + 1     # what a slot produces in that many rounds
+    self._since_replay = 0
+    rounds = self.ac.segment_rounds + self.rounds_per_call - 1      # at most this many since the last extension
+    window = rounds * (self.k + 1) + self.k + 1                     # what a slot produces in that many rounds
     self._replay_state, tau = _replay(self._replay_state, jnp.asarray(self._joined), jnp.asarray(self._join_len),
                                       history, hist_len, drafter=self.drafter, widths=self.widths, window=window,
                                       decay=self.ac.decay, prior_rounds=self.ac.prior_rounds)
@@ -162,6 +209,8 @@ class SlotWidthController:
     """Widths, their current costs, rounds run at each, and the estimates the rule reads."""
     out = {"widths": list(self.widths), "costs_ms": [round(float(c), 4) for c in self.costs],
            "rounds_by_width": {str(w): n for w, n in self.rounds_by_width.items()}}
+    if self._bucket_costs:
+      out["costs_ms_by_bucket"] = {str(n): [round(float(c), 4) for c in costs] for n, costs in self._bucket_costs.items()}
     if self.replayed:
       out["replayed_tau"] = [round(float(t), 4) for t in np.mean(self.tau, axis=1)]
     else:

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from specjax.errors import UserError
 from specjax.serve import protocol
 from specjax.serve.metrics import ServeMetrics
-from specjax.serve.scheduler import QueueFull, Scheduler
+from specjax.serve.scheduler import LoopSink, QueueFull, Scheduler
 
 
 class TextStream:
@@ -127,7 +127,7 @@ class Server:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     try:
-      handle = self.scheduler.submit(parsed.gen, lambda e: loop.call_soon_threadsafe(queue.put_nowait, e))
+      handle = self.scheduler.submit(parsed.gen, LoopSink(loop, queue))
     except QueueFull as e:
       return self._error(429, str(e), "rate_limit_error")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -160,7 +160,7 @@ class Server:
       return
 
   async def _sse(self, handle, queue, parsed, chat: bool, rid: str, model: str):
-    """Server-sent events: one chunk per round, a final chunk with the finish reason, usage when
+    """Server-sent events: one chunk per call of rounds, a final chunk with the finish reason, usage when
     asked (`stream_options.include_usage`), then [DONE]. Leaving early cancels the request."""
     def chunk(choices, usage=None):
       return f"data: {json.dumps(protocol.envelope(chat, rid, model, choices, True, usage))}\n\n"

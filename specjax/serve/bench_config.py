@@ -1,6 +1,7 @@
 """bench-serve configs: a bench config (target, dtype, prompts, max_new_tokens, sampling, seed,
 capacity and the methods, read and checked as `specjax bench` reads them) plus a strict `serve:`
-section (the load levels, requests per level, and the server's slots and queue).
+section (the load levels, requests per level, the client processes, and the server's slots, queue,
+rounds per device call and batch buckets).
 
     name: bench_serve_smollm2
     target: smollm2-135m-instruct
@@ -34,6 +35,9 @@ class ServeSettings:
   slots: int = 64                                 # sequences the server generates together
   max_queue: int = 1024                           # waiting requests before 429
   chunk: int = 256                                # prefill chunk, tokens
+  rounds_per_call: int = 8                        # most rounds one device call runs
+  buckets: tuple[int, ...] = ()                   # batch sizes the live slots run in (empty: the default)
+  client_processes: int | None = None             # client processes per level (None: one per 8 clients)
   plain: bool = True                              # measure plain decoding too (first)
 
 
@@ -49,7 +53,10 @@ def _check(s: ServeSettings, where: str) -> ServeSettings:
                       f"{list(s.concurrency)}, {list(s.rates)}")
   if not s.concurrency and not s.rates:
     raise ConfigError(f"{where}: give concurrency levels or rates")
-  for key in ("num_prompts", "slots", "max_queue", "chunk"):
+  if any(n < 1 for n in s.buckets) or (s.client_processes is not None and s.client_processes < 0):
+    raise ConfigError(f"{where}: buckets must be >= 1 and client_processes >= 0, got {list(s.buckets)}, "
+                      f"{s.client_processes!r}")
+  for key in ("num_prompts", "slots", "max_queue", "chunk", "rounds_per_call"):
     if getattr(s, key) < 1:
       raise ConfigError(f"{where}.{key}: must be >= 1, got {getattr(s, key)!r}")
   if s.prompts_per_client < 0:

@@ -3,11 +3,13 @@
 For each method (plain decoding, then each speculator), a server is started in-process (or a
 given URL is used) and driven by streamed chat requests with MT-bench prompts, either at fixed
 concurrency (N clients, each sending its next request when the last one ends) or as a Poisson
-process at given rates. Before anything is timed, the server compiles its programs (`warm`) and
-every distinct prompt of the run is sent once (max_tokens 2), so prefill widths, the join and
-the rounds are compiled. Per level it reports time to first token, time per output token (after
-the first), output throughput, tau (tokens per slot-round, from each response's usage) and the
-rounds the server ran at each verification width (from /metrics), as JSON beside a PNG of
+process at given rates. The clients run in processes of their own (one per 8 clients, up to half
+the cores; `--client-processes`), so that parsing the streams does not compete with the server
+for its process's interpreter lock. Before anything is timed, the server compiles its programs
+(`warm`) and every distinct prompt of the run is sent once (max_tokens 2). Per level it reports
+time to first token, time per output token (after the first), output throughput, tau (tokens per
+slot-round, from each response's usage), and from /metrics the rounds the server ran at each
+verification width and in each batch bucket and its device calls, as JSON beside a PNG of
 throughput against concurrency (or rate); both are rewritten after every level, so a run cut by
 a time limit keeps what it finished. The JSON records the git revision, the device and the config.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import multiprocessing
+import os
 import random
 import re
 import time
@@ -42,9 +46,19 @@ class BenchServeConfig:
   temperature: float = 0.0
   warmup: bool = True            # untimed requests first (every distinct prompt once)
   server: dict = dataclasses.field(default_factory=dict)   # what the servers were built with (recorded)
+  client_processes: int | None = None   # processes the clients of a level run in (None: one per
+                                        # 8 clients, up to half the cores; 0: this process)
 
   def requests_at(self, kind: str, level) -> int:
     return max(self.num_prompts, self.prompts_per_client * int(level) if kind == "concurrency" else 0)
+
+  def processes_at(self, kind: str, level) -> int:
+    """Client processes of a level (0: the clients share the benchmark's process, and with an
+    in-process server its interpreter lock)."""
+    if self.client_processes is not None:
+      return min(self.client_processes, int(level)) if kind == "concurrency" else self.client_processes
+    most = max(1, min(8, (os.cpu_count() or 2) // 2))
+    return min(most, -(-int(level) // 8)) if kind == "concurrency" else most
 
 
 @dataclasses.dataclass
@@ -76,11 +90,12 @@ def prompts_of(dataset: str, n: int, seed: int) -> list[str]:
   return [turns[i % len(turns)] for i in range(n)]
 
 
-async def _request(client, prompt: str, cfg: BenchServeConfig, method, max_tokens: int | None = None) -> Sample:
-  """One streamed chat completion; tokens counted by their ids, tau from the final usage."""
+async def _request(client, prompt: str, cfg: BenchServeConfig, fields: dict, max_tokens: int | None = None) -> Sample:
+  """One streamed chat completion (`fields`: the method's `request_fields`); tokens counted by
+  their ids, tau from the final usage."""
   body = {"model": "bench", "messages": [{"role": "user", "content": prompt}],
           "max_tokens": max_tokens or cfg.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
-          "stream": True, "stream_options": {"include_usage": True}, **request_fields(method)}
+          "stream": True, "stream_options": {"include_usage": True}, **fields}
   t0 = time.perf_counter()
   s = Sample(ok=False)
   async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -102,27 +117,30 @@ async def _request(client, prompt: str, cfg: BenchServeConfig, method, max_token
   return s
 
 
-async def _fixed(client, prompts, cfg, method, level: int, bar) -> list[Sample]:
+async def _fixed(client, prompts, cfg, fields, level: int, bar=None) -> list[Sample]:
   """`level` clients, each sending its next prompt when its last request ends."""
   queue = list(prompts)
   out: list[Sample] = []
 
   async def worker():
     while queue:
-      out.append(await _request(client, queue.pop(), cfg, method))
-      bar.update(1)
+      out.append(await _request(client, queue.pop(), cfg, fields))
+      if bar is not None:
+        bar.update(1)
   await asyncio.gather(*(worker() for _ in range(level)))
   return out
 
 
-async def _poisson(client, prompts, cfg, method, rate: float, bar) -> list[Sample]:
-  """Requests sent at exponential inter-arrival times of mean 1/rate."""
-  rng = np.random.default_rng(cfg.seed)
+async def _poisson(client, prompts, cfg, fields, rate: float, bar=None, share: int | None = None) -> list[Sample]:
+  """Requests sent at exponential inter-arrival times of mean 1/rate (`share`: which client
+  process's part of the arrivals, each drawn from its own seed)."""
+  rng = np.random.default_rng(cfg.seed if share is None else (cfg.seed, share))
   tasks = []
 
   async def one(p):
-    s = await _request(client, p, cfg, method)
-    bar.update(1)
+    s = await _request(client, p, cfg, fields)
+    if bar is not None:
+      bar.update(1)
     return s
   for p in prompts:
     tasks.append(asyncio.create_task(one(p)))
@@ -144,20 +162,89 @@ def summarize(samples: list[Sample], wall: float) -> dict:
           "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
 
 
-_WIDTH_LINE = re.compile(r'^specjax_rounds_at_width_total\{width="(\d+)"\} (\S+)$', re.M)
+_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls)_total(?:\{\w+="(\d+)"\})? (\S+)$', re.M)
 
 
-async def rounds_by_width(client) -> dict[str, int]:
-  """The server's rounds so far at each verification width (its /metrics; {} without them)."""
+async def server_counts(client) -> dict[str, dict[str, int]]:
+  """The server's rounds so far at each verification width ("rounds_by_width") and in each batch
+  bucket ("rounds_by_batch"), and its device calls ("device_calls": {"": n}), from its /metrics
+  ({} without them)."""
   r = await client.get("/metrics")
-  return {w: int(float(n)) for w, n in _WIDTH_LINE.findall(r.text)} if r.status_code == 200 else {}
+  out: dict[str, dict[str, int]] = {}
+  names = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls"}
+  for name, label, n in (_COUNT_LINE.findall(r.text) if r.status_code == 200 else []):
+    out.setdefault(names[name], {})[label] = int(float(n))
+  return out
 
 
-async def _measure(url: str, cfg: BenchServeConfig, method, on_row) -> list[dict]:
-  """Every level against one server: the untimed warm-up, then each level; `on_row(row)` after each."""
+START_S = 0.5          # client processes start a level this long after it is handed to them
+
+
+def _client_ready(_) -> int:
+  import httpx  # noqa: F401  (imported before anything is timed)
+  time.sleep(0.2)
+  return os.getpid()
+
+
+def client_pool(processes: int):
+  """`processes` client processes (spawned: the benchmark's process may hold a device), each with
+  its imports done; None for 0."""
+  if processes < 1:
+    return None
+  pool = multiprocessing.get_context("spawn").Pool(processes)
+  for _ in range(10):
+    if len(set(pool.map(_client_ready, range(2 * processes), chunksize=1))) == processes:
+      break
+  return pool
+
+
+def _client_share(url: str, cfg: BenchServeConfig, fields: dict, kind: str, level, prompts: list[str],
+                  share: int, start_at: float) -> tuple[list[Sample], float]:
+  """One client process's part of a level, sent from wall-clock time `start_at` on.
+  -> (its samples, wall-clock time it ended)."""
+  import httpx
+
+  async def main():
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=1024)) as client:
+      await asyncio.sleep(max(0.0, start_at - time.time()))
+      if kind == "concurrency":
+        return await _fixed(client, prompts, cfg, fields, level)
+      return await _poisson(client, prompts, cfg, fields, level, share=share)
+  samples = asyncio.run(main())
+  return samples, time.time()
+
+
+def shares(prompts: list[str], kind: str, level, processes: int) -> list[tuple]:
+  """A level split over `processes` client processes -> [(the process's level, its prompts)]: at
+  fixed concurrency the clients are dealt out evenly and client c sends prompts c, c + level, ...;
+  a Poisson rate is split evenly, each process sending every processes-th prompt."""
+  if kind != "concurrency":
+    return [(level / processes, prompts[p::processes]) for p in range(processes)]
+  out = []
+  for p in range(processes):
+    clients = range(p, level, processes)
+    out.append((len(clients), [prompts[i] for c in clients for i in range(c, len(prompts), level)]))
+  return out
+
+
+async def _level_in_processes(pool, url: str, cfg: BenchServeConfig, fields: dict, kind: str, level,
+                              prompts: list[str]) -> tuple[list[Sample], float]:
+  """A level run by client processes -> (samples, wall seconds from its start to the last answer)."""
+  start_at = time.time() + START_S
+  light = dataclasses.replace(cfg, methods=[])
+  jobs = [pool.apply_async(_client_share, (url, light, fields, kind, lvl, part, i, start_at))
+          for i, (lvl, part) in enumerate(shares(prompts, kind, level, cfg.processes_at(kind, level))) if part]
+  results = await asyncio.to_thread(lambda: [j.get() for j in jobs])
+  return [s for samples, _ in results for s in samples], max(end for _, end in results) - start_at
+
+
+async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -> list[dict]:
+  """Every level against one server: the untimed warm-up, then each level (in the client
+  processes of `pool` where `cfg.processes_at` says so); `on_row(row)` after each."""
   import httpx
   from tqdm import tqdm
   rows = []
+  fields = request_fields(method)
   levels = [("concurrency", c) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
   async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=1024)) as client:
     if cfg.warmup:
@@ -166,18 +253,26 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row) -> list[dict
       limit = asyncio.Semaphore(max(cfg.concurrency or [8]))
       async def warm(p):
         async with limit:
-          return await _request(client, p, cfg, method, max_tokens=WARMUP_TOKENS)
+          return await _request(client, p, cfg, fields, max_tokens=WARMUP_TOKENS)
       await asyncio.gather(*(warm(p) for p in distinct))
     for kind, level in levels:
       prompts = prompts_of(cfg.dataset, cfg.requests_at(kind, level), cfg.seed)
-      before = await rounds_by_width(client)
-      with tqdm(total=len(prompts), desc=f"{method_name(method)} {kind}={level}", leave=False) as bar:
-        t0 = time.perf_counter()
-        run = _fixed if kind == "concurrency" else _poisson
-        samples = await run(client, prompts, cfg, method, level, bar)
-        row = {"method": method_name(method), kind: level, **summarize(samples, time.perf_counter() - t0)}
-      after = await rounds_by_width(client)
-      row["rounds_by_width"] = {w: n - before.get(w, 0) for w, n in after.items() if n - before.get(w, 0)}
+      before = await server_counts(client)
+      processes = cfg.processes_at(kind, level) if pool is not None else 0
+      if processes:
+        samples, wall = await _level_in_processes(pool, url, cfg, fields, kind, level, prompts)
+      else:
+        with tqdm(total=len(prompts), desc=f"{method_name(method)} {kind}={level}", leave=False) as bar:
+          t0 = time.perf_counter()
+          run = _fixed if kind == "concurrency" else _poisson
+          samples = await run(client, prompts, cfg, fields, level, bar)
+          wall = time.perf_counter() - t0
+      row = {"method": method_name(method), kind: level, "client_processes": processes, **summarize(samples, wall)}
+      after = await server_counts(client)
+      for key, counts in after.items():
+        then = before.get(key, {})
+        row[key] = {k: n - then.get(k, 0) for k, n in counts.items() if n - then.get(k, 0)}
+      row["device_calls"] = row.get("device_calls", {}).get("", 0)
       rows.append(row)
       on_row(row)
   return rows
@@ -190,8 +285,9 @@ def _config_record(cfg: BenchServeConfig) -> dict:
 
 
 def run_bench(cfg: BenchServeConfig, make_server) -> dict:
-  """Measure each method (a fresh in-process server per method, or `cfg.url`); JSON + PNG are
-  written after every level."""
+  """Measure each method (a fresh in-process server per method, or `cfg.url`) with clients in
+  their own processes (`cfg.processes_at`), so that parsing the streams does not take the server
+  process's interpreter lock; JSON + PNG are written after every level."""
   from specjax.bench.env import device_info, environment, git_revision
   from specjax.serve.app import run_in_thread
   rows: list[dict] = []
@@ -210,18 +306,24 @@ def run_bench(cfg: BenchServeConfig, make_server) -> dict:
       plot(rows, out.with_suffix(".png"))
 
   write()
-  for method in ([None] if cfg.url else cfg.methods):
-    if cfg.url:
-      asyncio.run(_measure(cfg.url, cfg, "url", write))
-      continue
-    server = make_server(method)
-    server.scheduler.engine.warm()          # prefill programs (and adaptive widths) compiled before anything is timed
-    http, url = run_in_thread(server.app())
-    try:
-      asyncio.run(_measure(url, cfg, method, write))
-    finally:
-      http.should_exit = True
-      server.scheduler.stop()
+  levels = [("concurrency", c) for c in cfg.concurrency] + [("rate", r) for r in cfg.rates]
+  pool = client_pool(max([cfg.processes_at(kind, level) for kind, level in levels], default=0))
+  try:
+    for method in ([None] if cfg.url else cfg.methods):
+      if cfg.url:
+        asyncio.run(_measure(cfg.url, cfg, "url", write, pool))
+        continue
+      server = make_server(method)
+      server.scheduler.engine.warm()        # prefill programs and every bucket's rounds compiled before anything is timed
+      http, url = run_in_thread(server.app())
+      try:
+        asyncio.run(_measure(url, cfg, method, write, pool))
+      finally:
+        http.should_exit = True
+        server.scheduler.stop()
+  finally:
+    if pool is not None:
+      pool.terminate()
   return result
 
 

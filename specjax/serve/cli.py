@@ -24,20 +24,26 @@ def adaptive_config(adaptive):
 
 def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 2048, max_queue: int = 64,
                  chunk: int = 256, n_max: int = 8, draft_model=None, head=None, options: dict | None = None,
-                 rollback: str = "per_step", policy: str = "best", adaptive=False):
+                 rollback: str = "per_step", policy: str = "best", adaptive=False, rounds_per_call: int = 8,
+                 buckets=None):
   """A `Server` for `target` (a LoadedModel) with one speculator (None: plain decoding). `n_max`
   is the widest draft any request may ask for (requests pick theirs up to it). `adaptive` (True,
   a dict of `AdaptiveConfig` fields or an AdaptiveConfig) chooses before every round whether to
   speculate and how wide, from the live slots' acceptance and the rounds' measured cost
-  (`specjax.serve.adaptive_slots`); chain drafters only."""
+  (`specjax.serve.adaptive_slots`); chain drafters only. `rounds_per_call`: the most rounds one
+  device call runs while no request waits to join; `buckets`: the batch sizes the live slots are
+  gathered into (None: `engine_adapter.default_buckets`)."""
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
   from specjax.serve.app import Server
   from specjax.serve.engine_adapter import SlotEngine
   from specjax.serve.metrics import ServeMetrics
   from specjax.serve.scheduler import Scheduler
-  if slots < 1 or capacity < 128 or max_queue < 1:
-    raise UserError(f"--slots must be >= 1, --capacity >= 128 and --max-queue >= 1, got {slots}, {capacity}, {max_queue}")
+  if slots < 1 or capacity < 128 or max_queue < 1 or rounds_per_call < 1:
+    raise UserError(f"--slots must be >= 1, --capacity >= 128, --max-queue >= 1 and --rounds-per-call >= 1, got "
+                    f"{slots}, {capacity}, {max_queue}, {rounds_per_call}")
+  if buckets is not None and any(int(n) < 1 for n in buckets):
+    raise UserError(f"--buckets must be batch sizes >= 1, got {list(buckets)}")
   if getattr(target, "context_length", None) and capacity > target.context_length:
     raise UserError(f"--capacity {capacity} exceeds the model's context of {target.context_length} tokens")
   ac = adaptive_config(adaptive)
@@ -55,7 +61,8 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
                       f"budget (use a chain speculator, or leave --adaptive off)")
   stop_ids = tuple(target.tokenizer.eos_ids) if target.tokenizer is not None else ()
   engine = SlotEngine(target, drafter, slots=slots, capacity=capacity, chunk=chunk, stop_ids=stop_ids,
-                      rollback=rollback, host_drafter_factory=make, adaptive=ac)
+                      rollback=rollback, host_drafter_factory=make, adaptive=ac, buckets=buckets,
+                      rounds_per_call=rounds_per_call)
   metrics = ServeMetrics(engine.max_draft)
   scheduler = Scheduler(engine, max_queue=max_queue, metrics=metrics, stop_ids=stop_ids)
   return Server(scheduler, target.tokenizer, vocab=target.cfg.vocab_size, capacity=capacity,
@@ -64,7 +71,8 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
 
 def _server_args(p) -> None:
   p.add_argument("--model", default="smollm2-135m-instruct", help="fetch name, GGUF file or HF directory")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                 help="weights' dtype (default float32; with bench-serve --config, the config's)")
   p.add_argument("--draft-model", default=None, help="draft model for --spec draft")
   p.add_argument("--head", default=None, help="trained head for mtp, eagle3*, dflash*")
   p.add_argument("--spec-config", default=None, help="speculator options as JSON")
@@ -73,6 +81,11 @@ def _server_args(p) -> None:
   p.add_argument("--capacity", type=int, default=2048, help="KV cache tokens per slot: prompt + output (default 2048)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
   p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens (default 256)")
+  p.add_argument("--rounds-per-call", type=int, default=8,
+                 help="most rounds one device call runs while no request waits to join (default 8)")
+  p.add_argument("--buckets", type=_csv(int), default=None,
+                 help="batch sizes the live slots run in, e.g. 1,8,64 (default 1, 8, 32, .. up to half the "
+                      "slots, and every slot)")
   p.add_argument("--adaptive", action="store_true",
                  help="before every round choose whether to speculate and how wide, from the live slots' acceptance "
                       "and the rounds' measured cost (chain speculators)")
@@ -83,13 +96,14 @@ def _load(args):
   from specjax.cli import _check_model_name, _spec_config
   _check_model_name(args.model, "--model")
   options = _spec_config(args.spec_config)
-  return api.load(args.model, dtype=args.dtype), options
+  return api.load(args.model, dtype=args.dtype or "float32"), options
 
 
 def _server_from_args(args, target, options, spec):
   return build_server(target, spec, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                       chunk=args.chunk, n_max=args.n_max, draft_model=args.draft_model, head=args.head,
-                      options=options, adaptive=args.adaptive)
+                      options=options, adaptive=args.adaptive, rounds_per_call=args.rounds_per_call,
+                      buckets=args.buckets)
 
 
 def cmd_serve(args) -> int:
@@ -128,9 +142,11 @@ def cmd_bench_serve(args) -> int:
                          prompts_per_client=args.prompts_per_client, max_tokens=args.max_tokens or 128,
                          dataset=args.dataset, url=args.url, out=args.out or "experiments/results/bench_serve",
                          seed=args.seed, temperature=args.temperature, warmup=not args.no_warmup,
-                         server={"model": args.model, "dtype": args.dtype, "slots": args.slots,
+                         client_processes=args.client_processes,
+                         server={"model": args.model, "dtype": args.dtype or "float32", "slots": args.slots,
                                  "capacity": args.capacity, "chunk": args.chunk, "max_queue": args.max_queue,
-                                 "spec_config": args.spec_config})
+                                 "spec_config": args.spec_config, "rounds_per_call": args.rounds_per_call,
+                                 "buckets": args.buckets})
   if not cfg.methods:
     raise UserError("nothing to measure: --no-plain needs at least one --spec")
   target, options = (None, None) if args.url else _load(args)
@@ -138,7 +154,8 @@ def cmd_bench_serve(args) -> int:
   def make(method):
     return build_server(target, None if method is None else method.speculator, slots=args.slots,
                         capacity=args.capacity, max_queue=args.max_queue, chunk=args.chunk, n_max=args.n_max,
-                        draft_model=args.draft_model, head=args.head, options=options, adaptive=args.adaptive)
+                        draft_model=args.draft_model, head=args.head, options=options, adaptive=args.adaptive,
+                        rounds_per_call=args.rounds_per_call, buckets=args.buckets)
   result = run_bench(cfg, make)
   print(json.dumps(result["summary"], indent=1))
   return 0
@@ -146,7 +163,8 @@ def cmd_bench_serve(args) -> int:
 
 def _bench_serve_config(args) -> int:
   """bench-serve from a config file; --methods keeps some of its methods, and the load flags given
-  (--concurrency, --rate, --num-prompts, --prompts-per-client, --max-tokens, --out) override it."""
+  (--concurrency, --rate, --num-prompts, --prompts-per-client, --max-tokens, --client-processes,
+  --out) and --dtype override it."""
   import dataclasses
 
   from specjax import api
@@ -154,6 +172,7 @@ def _bench_serve_config(args) -> int:
   from specjax.serve.bench_serve import BenchServeConfig, run_bench
   spec = load_bench_serve(args.config, methods=args.methods)
   exp, sv = spec.experiment, spec.serve
+  dtype = args.dtype or exp.dtype
   if args.concurrency or args.rate:
     sv = dataclasses.replace(sv, concurrency=tuple(args.concurrency or ()), rates=tuple(args.rate or ()))
   methods = ([None] if sv.plain and not args.no_plain else []) + list(exp.methods)
@@ -166,16 +185,20 @@ def _bench_serve_config(args) -> int:
                          max_tokens=args.max_tokens or exp.max_new_tokens, dataset=exp.prompts[0], url=args.url,
                          out=args.out or f"experiments/results/{exp.name}", seed=exp.seed,
                          temperature=exp.sampling.temperature, warmup=not args.no_warmup,
-                         server={"name": exp.name, "model": exp.target, "dtype": exp.dtype, "slots": sv.slots,
-                                 "capacity": capacity, "chunk": sv.chunk, "max_queue": sv.max_queue})
-  target = None if args.url else api.load(exp.target, dtype=exp.dtype)
+                         client_processes=sv.client_processes if args.client_processes is None else args.client_processes,
+                         server={"name": exp.name, "model": exp.target, "dtype": dtype, "slots": sv.slots,
+                                 "capacity": capacity, "chunk": sv.chunk, "max_queue": sv.max_queue,
+                                 "rounds_per_call": sv.rounds_per_call, "buckets": list(sv.buckets) or None})
+  target = None if args.url else api.load(exp.target, dtype=dtype)
+
+  shared = dict(slots=sv.slots, capacity=capacity, max_queue=sv.max_queue, chunk=sv.chunk,
+                rounds_per_call=sv.rounds_per_call, buckets=sv.buckets or None)
 
   def make(m):
     if m is None:
-      return build_server(target, None, slots=sv.slots, capacity=capacity, max_queue=sv.max_queue, chunk=sv.chunk)
-    return build_server(target, m.speculator, slots=sv.slots, capacity=capacity, max_queue=sv.max_queue,
-                        chunk=sv.chunk, n_max=m.draft_params.n_max, draft_model=m.draft_model, head=m.head,
-                        options=m.options or None, policy=m.policy, adaptive=m.adaptive)
+      return build_server(target, None, **shared)
+    return build_server(target, m.speculator, n_max=m.draft_params.n_max, draft_model=m.draft_model, head=m.head,
+                        options=m.options or None, policy=m.policy, adaptive=m.adaptive, **shared)
   result = run_bench(cfg, make)
   print(json.dumps(result["summary"], indent=1))
   return 0
@@ -204,6 +227,9 @@ def add_serve_commands(sub) -> None:
   b.add_argument("--prompts-per-client", type=int, default=0,
                  help="and at least this many per client at a concurrency level (default 0)")
   b.add_argument("--no-warmup", action="store_true", help="skip the untimed requests that compile before timing")
+  b.add_argument("--client-processes", type=int, default=None,
+                 help="processes the clients of a level run in (default one per 8 clients, up to half the cores; 0: the "
+                      "benchmark's own process, which shares the in-process server's interpreter lock)")
   b.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128)")
   b.add_argument("--temperature", type=float, default=0.0)
   b.add_argument("--dataset", default="mt_bench", help="prompt set (specjax.io.datasets; default mt_bench)")

@@ -1,16 +1,24 @@
-"""The one module of `specjax.serve` that touches engine internals.
+"""The slot engine: the one place (with `slot_programs`, its jitted programs) where
+`specjax.serve` touches engine internals.
 
 Continuous batching runs the engine's own round (`specjax.engine.run_round`: the device drafter's
-round, or a round with a host draft; `decode_step_counted` for plain decoding) over a fixed batch of B slots, and moves
-single requests in and out of that batch between rounds. Everything else in `specjax.serve`
-speaks only to `SlotEngine`, so when the engine's API changes, this file is the one to change.
+round, or a round with a host draft; `decode_step_counted` for plain decoding) over a fixed batch
+of B slots, and moves single requests in and out of that batch between device calls. Everything
+else in `specjax.serve` speaks only to `SlotEngine`, so when the engine's API changes, this file
+and `slot_programs.py` are the ones to change.
 
 Slots: one `GenState` of batch B (KV cache of capacity C per slot, history of C tokens); a free
 or finished slot has `done` set, so the round masks it (it drafts nothing, commits nothing and
 emits nothing). A request joins by a batch-1 prefill (in chunks, so the running batch keeps
 stepping between them) whose state is scattered into the free slot by one jitted update.
 
-With adaptive drafting (`adaptive_slots.SlotWidthController`) every round runs at the width the
+A device call (`step`) runs up to `rounds_max` rounds in one `lax.while_loop` (fewer once every
+slot in it is done), so one host round trip covers several rounds. The live slots are gathered
+into the smallest batch bucket that holds them (padded with free slots), advanced there and
+written back, so a lone request runs a batch-1 program rather than B rows; every bucket is one
+compiled program per round width. Host drafters draft on the host, so their calls run one round.
+
+With adaptive drafting (`adaptive_slots.SlotWidthController`) every call runs at the width the
 controller plans: one compiled round per width of `AdaptiveConfig.widths_for(K)`, width 0 being
 the plain decoding step for plain-compatible drafters (`commit_free` device drafters, host
 drafters) and a round that verifies no draft, but keeps the drafter's state current, for the others.
@@ -19,19 +27,17 @@ drafters) and a round that verifies no draft, but keeps the drafter's state curr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Draft, DraftParams, check_drafter
-from specjax.engine import Carry, RoundInputs, RoundSpec, run_round
-from specjax.engine.decode import decode_step_counted
-from specjax.engine.generation import GenState, emit, round_up, target_of
-from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
-from specjax.engine.stats import RoundStats
+from specjax.drafters.base import DraftParams, check_drafter
+from specjax.engine import RoundSpec
+from specjax.engine.generation import GenState, round_up, target_of
+from specjax.engine.sampling import SamplingParams
+from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
 
 CHUNK_BUCKET = 64      # prefill chunks are padded to a multiple of this (few compiled widths)
@@ -39,13 +45,20 @@ CHUNK_BUCKET = 64      # prefill chunks are padded to a multiple of this (few co
 
 @dataclasses.dataclass
 class RoundOut:
-  """What one round did, per slot, on the host."""
+  """What one call of rounds did, per slot, on the host ([B] arrays: slots outside the call's
+  bucket emitted nothing)."""
   tokens: np.ndarray     # [B, J] new tokens (the first n_new of each row are valid)
-  n_new: np.ndarray      # [B] tokens emitted this round
+  n_new: np.ndarray      # [B] tokens emitted over the call's rounds
   done: np.ndarray       # [B] bool slot finished (stop token or budget)
-  drafted: np.ndarray    # [B] draft tokens verified (0: speculation off or nothing drafted)
-  accepted: np.ndarray   # [B] draft tokens accepted
-  width: int = 0         # the round's verification width (0: a plain decoding step or a round without drafts)
+  emitted: np.ndarray    # [R, B] tokens emitted at each round run (0: the slot was not live then)
+  drafted: np.ndarray    # [R, B] draft tokens verified (0: speculation off or nothing drafted)
+  accepted: np.ndarray   # [R, B] draft tokens accepted
+  width: int = 0         # the rounds' verification width (0: plain decoding steps or rounds without drafts)
+  batch: int = 0         # the bucket the rounds ran in (slots gathered)
+
+  @property
+  def rounds(self) -> int:
+    return self.emitted.shape[0]
 
 
 @dataclasses.dataclass
@@ -58,94 +71,29 @@ class Joining:
   cache: object = None   # batch-1 target state
 
 
-def _scatter(big, small, slot):
-  """Write batch-1 leaf `small` into row `slot` of `big` (leaves without a batch axis, e.g. a
-  drafter's shared table or a scalar, keep the running batch's value)."""
-  if big.ndim == 0 or small.ndim == 0 or small.shape[0] != 1 or big.shape[1:] != small.shape[1:]:
-    return big
-  return big.at[slot].set(small[0])
-
-
-@functools.partial(jax.jit, donate_argnames=("state", "dstate"))
-def _insert(state, dstate, slot, state1, dstate1):
-  """The running batch with slot `slot` replaced by a freshly prefilled request."""
-  state = jax.tree_util.tree_map(lambda b, s: _scatter(b, s, slot), state, state1)
-  dstate = jax.tree_util.tree_map(lambda b, s: _scatter(b, s, slot), dstate, dstate1)
-  return state, dstate
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _finish(state, mask):
-  """Mark slots done (cancelled or left): the round masks them from now on."""
-  return dataclasses.replace(state, done=state.done | mask)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_chunk(params, cache, tokens, n, *, cfg):
-  """Write one prompt chunk [1, P] (n valid tokens) into a batch-1 cache."""
-  _, _, cache = target_of(cfg).forward(params, cfg, tokens, cache, n_new=n)
-  return cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "history_len", "capacity"))
-def _prefill_last(params, dparams, cache, tokens, n, full_prompt, prompt_len, sampling, stop_ids, max_new, *,
-                  cfg, drafter, history_len, capacity):
-  """The last prompt chunk: logits at the last prompt token, the first sampled token, the batch-1
-  `GenState` (as `generation.prefill` builds it) and the drafter's state."""
-  taps = drafter.taps if drafter is not None and drafter.on_device else ()
-  logits, tapped, cache = target_of(cfg).forward(params, cfg, tokens, cache, n_new=n, taps=taps, last_only=True)
-  keys, use = split_keys(init_keys(sampling))
-  first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [1]
-  history = jnp.zeros((1, history_len), jnp.int32).at[:, :full_prompt.shape[1]].set(full_prompt)
-  state = GenState(cache=cache, history=history, hist_len=prompt_len, prompt_len=prompt_len,
-                   last=first, keys=keys, done=jnp.zeros((1,), bool))
-  state, _ = emit(state, first[:, None], jnp.ones((1,), jnp.int32), stop_ids, max_new)
-  dstate = ()
-  if drafter is not None and drafter.on_device:
-    dstate = drafter.init(dparams, full_prompt, prompt_len, tapped, capacity)
-  return state, dstate
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def _plain_step(params, state, sampling, stop_ids, max_new, *, cfg):
-  """One plain decoding step over every slot."""
-  state, n_out = decode_step_counted(params, cfg, state, sampling, stop_ids, max_new)
-  return state, state.history, n_out
-
-
-def _new_tokens(state_before_len, state, width):
-  """[B, width] history entries appended by the last round."""
-  cols = state_before_len[:, None] + jnp.arange(width)[None, :]
-  return jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state", "dstate"))
-def _round_step(spec, params, dparams, state, dstate, sampling, dp, stop_ids, max_new, draft_tokens=None,
-                draft_lengths=None):
-  """One speculative round over every slot (`run_round`): the device drafter's, or with the host
-  drafters' draft (tokens [B, w], lengths [B]) when given.
-  -> (state, dstate, new tokens [B, W+1], emitted [B], draft tokens verified [B], accepted [B])."""
-  inp = RoundInputs(params=params, dparams=dparams, sampling=sampling, dp=dp, stop_ids=stop_ids, max_new=max_new)
-  host = None if draft_tokens is None else Draft(tokens=draft_tokens, lengths=draft_lengths)
-  width = spec.stats_width if host is None else draft_tokens.shape[1]
-  before = state.hist_len
-  carry, v = run_round(spec, inp, Carry(state=state, dstate=dstate, stats=RoundStats.zeros(state.last.shape[0], width)),
-                       host_draft=host)
-  new = _new_tokens(before, carry.state, width + 1)
-  return carry.state, carry.dstate, new, carry.state.hist_len - before, v.n_verified, v.n_accepted
+def default_buckets(slots: int) -> tuple[int, ...]:
+  """Batch sizes the rounds compile for: 1, 8, 32, 128, ... up to half the slots (a bucket copies
+  its rows out of the slot batch and back, which pays only when it is much smaller), and every slot."""
+  sizes = [1] + [8 * 4 ** i for i in range(8)]
+  return tuple(sorted({n for n in sizes if n <= slots // 2} | {slots}))
 
 
 class SlotEngine:
   """B slots of one target (+ one speculator, or none) and the operations the scheduler needs:
-  `begin_join` / `prefill_step` (chunked prefill), `insert`, `finish` and `step` (one round)."""
+  `begin_join` / `prefill_step` (chunked prefill), `insert`, `finish` and `step` (rounds)."""
 
   def __init__(self, target, drafter=None, *, slots: int, capacity: int, chunk: int = 256,
-               stop_ids=(), rollback: str = "per_step", host_drafter_factory=None, adaptive=None):
+               stop_ids=(), rollback: str = "per_step", host_drafter_factory=None, adaptive=None,
+               buckets: tuple[int, ...] | None = None, rounds_per_call: int = 8):
     """`adaptive`: an `AdaptiveConfig` (adaptive drafting over the live batch) or None (every
-    round at the drafter's width)."""
+    round at the drafter's width). `buckets`: batch sizes the live slots are gathered into (the
+    smallest that holds them runs; `default_buckets`); `rounds_per_call`: the most rounds one
+    device call runs (`step`; host drafters run one)."""
     self.params, self.cfg = target.params, target.cfg
     self.drafter = None if drafter is None else check_drafter(drafter)
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
+    self.buckets = tuple(sorted({min(int(n), slots) for n in (buckets or default_buckets(slots)) if n >= 1} | {slots}))
+    self.rounds_max = 1 if drafter is not None and not drafter.on_device else max(1, int(rounds_per_call))
     self.rollback = rollback
     self.stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
     self.host_factory = host_drafter_factory
@@ -155,7 +103,7 @@ class SlotEngine:
     if adaptive is not None and drafter is not None:
       if drafter.proposes_tree:
         raise ValueError("adaptive drafting picks chain lengths; a tree drafter sets its own node budget")
-      self.control = SlotWidthController(adaptive, slots, drafter)
+      self.control = SlotWidthController(adaptive, slots, drafter, rounds_per_call=self.rounds_max)
     self._init_batch()
 
   @property
@@ -172,8 +120,8 @@ class SlotEngine:
   def _init_batch(self):
     """All slots free: an empty batch-B state (and drafter state, shaped by a dummy prefill)."""
     b = self.b
-    dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
-    cache = target_of(self.cfg).init_state(self.cfg, b, self.capacity, dtype)
+    self.dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
+    cache = target_of(self.cfg).init_state(self.cfg, b, self.capacity, self.dtype)
     z = lambda: jnp.zeros((b,), jnp.int32)       # distinct buffers: the batch state is donated
     self.state = GenState(cache=cache, history=jnp.zeros((b, self.capacity), jnp.int32), hist_len=z(),
                           prompt_len=z(), last=z(), keys=jnp.zeros((b, 2), jnp.uint32), done=jnp.ones((b,), bool))
@@ -188,22 +136,23 @@ class SlotEngine:
     self.dp = {"n_max": np.zeros((b,), np.int32), "n_min": np.zeros((b,), np.int32),
                "p_min": np.zeros((b,), np.float32)}
     self.max_new = np.ones((b,), np.int32)
-    self.live = np.zeros((b,), bool)   # host copy of ~done for the slots (adaptive drafting reads it)
+    self.live = np.zeros((b,), bool)   # host copy of ~done for the slots (buckets and adaptive drafting read it)
     self._dev = None      # device copies of the per-slot parameters (rebuilt when they change)
+    self._masks = None    # which state / drafter-state leaves have the slot axis (from the first prefill)
+    self._joined = []     # (slot, first token, done) device arrays of requests inserted since `first_tokens`
 
   def begin_join(self, prompt: list[int], *, temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16) -> Joining:
     """A request's private prefill state (nothing runs yet)."""
     sampling = SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
-    cache = target_of(self.cfg).init_state(self.cfg, 1, self.capacity, dtype)
+    cache = programs.empty_cache(cfg=self.cfg, capacity=self.capacity, dtype=self.dtype)
     return Joining(prompt=np.asarray(prompt, np.int32), sampling=sampling, max_new=int(max_new), cache=cache)
 
   def prefill_step(self, j: Joining):
     """Run the next chunk of `j`'s prompt. Returns None while chunks remain, then (state1, dstate1)."""
     rest = len(j.prompt) - j.offset
     if self.chunked and rest > self.chunk:
-      toks = jnp.asarray(j.prompt[None, j.offset:j.offset + self.chunk])
-      j.cache = _prefill_chunk(self.params, j.cache, toks, jnp.asarray([self.chunk], jnp.int32), cfg=self.cfg)
+      toks = j.prompt[None, j.offset:j.offset + self.chunk]
+      j.cache = programs.prefill_chunk(self.params, j.cache, toks, np.asarray([self.chunk], np.int32), cfg=self.cfg)
       j.offset += self.chunk
       return None
     width = round_up(rest, CHUNK_BUCKET)
@@ -212,16 +161,18 @@ class SlotEngine:
     # chunked: the history row is capacity-wide, so one program per last-chunk width serves every prompt
     full = np.zeros((1, self.capacity if self.chunked else width), np.int32)
     full[0, :len(j.prompt)] = j.prompt
-    return _prefill_last(self.params, self.dparams, j.cache, jnp.asarray(toks), jnp.asarray([rest], jnp.int32),
-                         jnp.asarray(full), jnp.asarray([len(j.prompt)], jnp.int32), j.sampling, self.stop,
-                         jnp.asarray([j.max_new], jnp.int32), cfg=self.cfg, drafter=self.drafter,
+    return programs.prefill_last(self.params, self.dparams, j.cache, toks, np.asarray([rest], np.int32),
+                         full, np.asarray([len(j.prompt)], np.int32), j.sampling, self.stop,
+                         np.asarray([j.max_new], np.int32), cfg=self.cfg, drafter=self.drafter,
                          history_len=self.capacity, capacity=self.capacity)
 
-  def insert(self, slot: int, j: Joining, prefilled, *, draft: DraftParams) -> tuple[int, bool]:
+  def insert(self, slot: int, j: Joining, prefilled, *, draft: DraftParams) -> None:
     """Put a prefilled request into `slot` with its draft parameters (n_max 0 = no speculation).
-    Returns (its first token, whether it is already done)."""
+    Nothing waits for the prefill: its first token is read with the next call's outputs
+    (`first_tokens`), so the host queues the prefill, the join and the rounds back to back."""
     state1, dstate1 = prefilled
-    self.state, self.dstate = _insert(self.state, self.dstate, jnp.int32(slot), state1, dstate1)
+    self._learn_masks(state1, dstate1)
+    self.state, self.dstate = programs.insert_row(self.state, self.dstate, np.int32(slot), state1, dstate1)
     s = j.sampling
     for arr, val in zip(self.sampling, (s.temperature, s.top_k, s.top_p)):
       arr[slot] = np.asarray(val)[0]
@@ -234,32 +185,78 @@ class SlotEngine:
     if self.drafter is not None and not self.drafter.on_device:
       self.host[slot] = self.host_factory()
       self.host[slot].begin([j.prompt.tolist()])
-    first, done, hist_len = jax.device_get((state1.last[0], state1.done[0], state1.hist_len[0]))
-    self.live[slot] = not done
+    self.live[slot] = True          # a request done at its first token is masked by its state meanwhile
+    self._joined.append((slot, state1.last, state1.done))
     if self.control is not None:
-      self.control.join(slot, int(hist_len))
-    return int(first), bool(done)
+      self.control.join(slot, len(j.prompt) + 1)      # the prefill emits one token
+
+  def first_tokens(self) -> list[tuple[int, int, bool]]:
+    """(slot, first token, done at it) of every request inserted since the last call, in one
+    transfer; a slot done at its first token is no longer live."""
+    joined, self._joined = self._joined, []
+    if not joined:
+      return []
+    got = jax.device_get([(last, done) for _, last, done in joined])
+    out = [(slot, int(last[0]), bool(done[0])) for (slot, _, _), (last, done) in zip(joined, got)]
+    for slot, _, done in out:
+      self.live[slot] &= not done
+    return out
+
+  def _learn_masks(self, state1, dstate1) -> None:
+    if self._masks is None:
+      self._masks = (programs.slot_leaves(self.state, state1), programs.slot_leaves(self.dstate, dstate1))
 
   def warm(self) -> None:
-    """Compile the prefill programs (every last-chunk width up to the chunk, and a full chunk) now,
-    so a server's first requests do not pay for them, and with adaptive drafting the round of every
-    width (timed: the controller's first costs); the slot batch is untouched."""
-    widths = range(CHUNK_BUCKET, self.chunk + 1, CHUNK_BUCKET) if self.chunked else [CHUNK_BUCKET]
+    """Compile the prefill programs (every last-chunk width up to the chunk, and a full chunk), the
+    join and the rounds of every bucket and width now, so a server's first requests do not pay for
+    them, and with adaptive drafting time the round of every width (the controller's first costs).
+    No live slot changes (the join compiles on a free slot with a request done at its first token)."""
+    longest = min(self.chunk, round_up(self.capacity - self.max_draft - 3, CHUNK_BUCKET))   # the longest prompt's chunk
+    widths = range(CHUNK_BUCKET, longest + 1, CHUNK_BUCKET) if self.chunked else [CHUNK_BUCKET]
     lengths = list(widths) + ([self.chunk + 1] if self.chunked and self.chunk + 1 < self.capacity // 2 else [])
     for n in lengths:
       j = self.begin_join([0] * n, max_new=1)
       while (out := self.prefill_step(j)) is None:
         pass
       jax.block_until_ready(out)
+      self._learn_masks(*out)
+    free = np.flatnonzero(~self.live)
+    if len(free):   # a request done at its first token into a free slot, which stays free: compiles the join
+      self.state, self.dstate = programs.insert_row(self.state, self.dstate, np.int32(free[0]), *out)
+      self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
     if self.control is not None:
       self.control.set_costs(self.round_costs())
       self.control.compile(self.state.history, self.state.hist_len)
+    for width in self._widths():
+      for n in self.buckets:
+        self._compile(width, None if n == self.b else np.arange(n, dtype=np.int32))
+
+  def _compile(self, width: int | None, rows) -> None:
+    """Compile the call of rounds at `width` over `rows` by running none of its rounds."""
+    if self.drafter is not None and not self.drafter.on_device and width:
+      draft = (jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))
+      self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, 0, width, self._device_params(), draft)
+    else:
+      self._run(width, self.dp["n_max"], rows, 0)
+
+  def _widths(self) -> list:
+    """The widths rounds run at: the adaptive controller's, a host drafter's verification widths
+    (0 and powers of two up to K), else the drafter's own (None: plain decoding)."""
+    if self.drafter is None:
+      return [None]
+    if self.control is not None:
+      return list(self.control.widths)
+    if not self.drafter.on_device:
+      return [0] + sorted({min(1 << i, self.max_draft) for i in range(self.max_draft.bit_length())})
+    return [self.max_draft]
 
   def finish(self, slots: list[int]) -> None:
     """Free slots (finished, cancelled or disconnected): masked from the next round on."""
+    if not len(slots):
+      return
     mask = np.zeros((self.b,), bool)
     mask[slots] = True
-    self.state = _finish(self.state, jnp.asarray(mask))
+    self.state = programs.finish_rows(self.state, mask)
     self.live[slots] = False
     for s in slots:
       self.host[s] = None
@@ -267,87 +264,106 @@ class SlotEngine:
   def _device_params(self):
     if self._dev is None:
       t, k, p = self.sampling
-      self._dev = (SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.zeros((self.b,), jnp.uint32)),
-                   {n: jnp.asarray(a) for n, a in self.dp.items()}, jnp.asarray(self.max_new))
+      host = SamplingParams(t, k, p, np.zeros((self.b,), np.uint32)), self.dp, self.max_new
+      self._dev = jax.device_put(jax.tree_util.tree_map(np.copy, host))   # copies: the host arrays change in place
     return self._dev
 
-  def step(self) -> RoundOut:
-    """One round over every slot (done slots masked): at the drafter's width, or at the width and
-    draft lengths the adaptive controller plans from the live slots."""
+  def bucket_rows(self) -> np.ndarray | None:
+    """The slots the next call runs: the live ones, padded with free slots to the smallest bucket
+    that holds them ([b] int32), or None when that bucket is every slot."""
+    live = np.flatnonzero(self.live)
+    n = next(size for size in self.buckets if size >= len(live))
+    if n == self.b or self._masks is None:
+      return None
+    return np.concatenate([live, np.flatnonzero(~self.live)[:n - len(live)]]).astype(np.int32)
+
+  def step(self, rounds: int = 1) -> RoundOut:
+    """Up to `rounds` rounds (at most `rounds_max`) over the live slots in one device call, ending
+    early once every slot is done: at the drafter's width, or at the width and draft lengths the
+    adaptive controller plans from the live slots (one plan for the call's rounds)."""
+    rows = self.bucket_rows()
+    rounds = max(1, min(int(rounds), self.rounds_max))
     if self.control is None:
-      out = self._round(None if self.drafter is None else self.max_draft, self.dp["n_max"])
+      out = self._run(None if self.drafter is None else self.max_draft, self.dp["n_max"], rows, rounds)
     else:
       if self.control.costs is None:           # not warmed: time every width now (compiles them)
         self.control.set_costs(self.round_costs())
-      live = self.live.copy()
-      plan = self.control.plan(self.dp["n_max"], self.dp["n_min"], live)
+      bucket = None if rows is None else len(rows)
+      plan = self.control.plan(self.dp["n_max"], self.dp["n_min"], self.live.copy(), rounds=rounds, bucket=bucket)
       t0 = time.perf_counter()
-      out = self._round(plan.width, plan.lengths)
-      self.control.observe(plan, out.width, out.drafted, out.accepted, live, (time.perf_counter() - t0) * 1e3,
-                           self.state.history, self.state.hist_len)
+      out = self._run(plan.width, plan.lengths, rows, plan.rounds)
+      ms = (time.perf_counter() - t0) * 1e3 / max(out.rounds, 1)
+      for r in range(out.rounds):
+        self.control.observe(plan, out.width, out.drafted[r], out.accepted[r], out.emitted[r] > 0, ms,
+                             self.state.history, self.state.hist_len, bucket=bucket)
     self.live &= ~out.done
     return out
 
-  def _round(self, width: int | None, lengths: np.ndarray) -> RoundOut:
-    """One round at `width` with per-slot draft limits `lengths` [B] (the requests' own n_max
-    without adaptive drafting, whose device arrays are cached)."""
+  def _run(self, width: int | None, lengths: np.ndarray, rows, rounds: int) -> RoundOut:
+    """`rounds` rounds at `width` over `rows` with per-slot draft limits `lengths` [B] (the requests'
+    own n_max without adaptive drafting, whose device arrays are cached)."""
     sampling, dp, max_new = self._device_params()
     if self.drafter is None or (width == 0 and not self.drafter.on_device):
-      return self._plain(sampling, max_new)
+      return self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, rounds, 0, (sampling, dp, max_new))
     if not self.drafter.on_device:
-      return self._host_step(sampling, dp, max_new, lengths)
+      return self._host_round((sampling, dp, max_new), lengths, rows, rounds)
     if self.control is not None:
-      dp = {**dp, "n_max": jnp.asarray(lengths, jnp.int32)}
-    self.state, self.dstate, new, n_new, drafted, accepted = _round_step(
-        self._spec(width), self.params, self.dparams, self.state, self.dstate, sampling, dp, self.stop, max_new)
-    new, n_new, drafted, accepted, done = jax.device_get((new, n_new, drafted, accepted, self.state.done))
-    return RoundOut(new, n_new, done, drafted, accepted, width=width)
+      dp = {**dp, "n_max": np.asarray(lengths, np.int32)}
+    return self._call(self._spec(width), rows, rounds, width, (sampling, dp, max_new))
+
+  def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
+    """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
+    sampling, dp, max_new = inputs
+    draft = draft or (None, None)
+    self.state, self.dstate, new, counts, done, ran = programs.run_rounds(
+        spec, self.params, self.dparams, self.state, self.dstate, rows, sampling, dp, self.stop, max_new,
+        np.int32(rounds), *draft,
+        rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks)
+    new, counts, done, ran = jax.device_get((new, counts, done, ran))
+    counts = counts[:, :int(ran)]
+    if rows is None:
+      return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b)
+    full_new = np.zeros((self.b, new.shape[1]), new.dtype)
+    full_counts = np.zeros(counts.shape[:2] + (self.b,), counts.dtype)
+    full_done = ~self.live
+    full_new[rows], full_counts[:, :, rows], full_done[rows] = new, counts, done
+    return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts, width=width, batch=len(rows))
 
   def _spec(self, width: int) -> RoundSpec:
     """The device drafter's round at `width` (its full width: the spec of the fixed loop)."""
     return RoundSpec(cfg=self.cfg, drafter=self.drafter, rollback=self.rollback,
                      width=None if width >= self.max_draft else width)
 
-  def _plain(self, sampling, max_new) -> RoundOut:
-    """One plain decoding step over every slot."""
-    before = np.asarray(self.state.hist_len)
-    self.state, hist, n_new = _plain_step(self.params, self.state, sampling, self.stop, max_new, cfg=self.cfg)
-    n_new, done, hist = jax.device_get((n_new, self.state.done, hist))
-    toks = hist[np.arange(self.b), np.minimum(before, hist.shape[1] - 1)][:, None]
-    zeros = np.zeros((self.b,), np.int32)
-    return RoundOut(toks, n_new, done, zeros, zeros, width=0)
-
-  def _host_step(self, sampling, dp, max_new, lengths) -> RoundOut:
+  def _host_round(self, inputs, lengths, rows, rounds: int) -> RoundOut:
     """A round of per-slot host drafters: each drafts up to `lengths` [B] for its own slot, one
-    jitted verification as wide as the longest draft (a plain step when no slot drafted)."""
+    jitted verification as wide as the longest draft (a plain step when no slot drafted). `rounds`
+    0 only compiles (nothing drafts)."""
     k = self.max_draft
     toks, lens = np.zeros((self.b, k), np.int32), np.zeros((self.b,), np.int32)
-    if np.any(lengths > 0):
+    if rounds and np.any(lengths > 0):
       hist, hl = jax.device_get((self.state.history, self.state.hist_len))
-    for i, d in enumerate(self.host):
-      if d is not None and lengths[i] > 0:
-        t, n, _ = d.propose([hist[i, :hl[i]].tolist()], np.asarray([lengths[i]]))
-        n = min(int(np.asarray(n)[0]), int(lengths[i]))
-        toks[i, :n], lens[i] = np.asarray(t).reshape(-1)[:n], n
+      for i, d in enumerate(self.host):
+        if d is not None and lengths[i] > 0:
+          t, n, _ = d.propose([hist[i, :hl[i]].tolist()], np.asarray([lengths[i]]))
+          n = min(int(np.asarray(n)[0]), int(lengths[i]))
+          toks[i, :n], lens[i] = np.asarray(t).reshape(-1)[:n], n
     if not lens.any():
-      out = self._plain(sampling, max_new)
+      out = self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, min(rounds, 1), 0, inputs)
     else:
       width = min(k, 1 << int(max(int(lens.max()), 1) - 1).bit_length())
-      self.state, _, new, n_new, dlen, n_acc = _round_step(
-          RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (), sampling, dp, self.stop,
-          max_new, jnp.asarray(toks[:, :width]), jnp.asarray(lens))
-      n_acc, dlen, new, n_new, done = jax.device_get((n_acc, dlen, new, n_new, self.state.done))
-      out = RoundOut(np.asarray(new), n_new, done, dlen, n_acc, width=width)
-    for i, d in enumerate(self.host):
-      if d is not None:
-        d.accept(out.accepted[i:i + 1], verified=out.drafted[i:i + 1] > 0)
+      out = self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, 1, width, inputs,
+                       draft=(toks[:, :width], lens))
+    if out.rounds:
+      for i, d in enumerate(self.host):
+        if d is not None:
+          d.accept(out.accepted[0, i:i + 1], verified=out.drafted[0, i:i + 1] > 0)
     return out
 
   def round_costs(self, repeats: int = 3) -> np.ndarray:
-    """[W] median ms of a round at each of the adaptive controller's widths, run on a copy of the
-    slot batch (every slot drafting its n_max, up to the width; host drafters with empty drafts)
-    after one untimed round that compiles it. The controller's first estimate: what the server's
-    rounds then take replaces it."""
+    """[W] median ms of a round at each of the adaptive controller's widths, run over every slot of
+    a copy of the slot batch (every slot drafting its n_max, up to the width; host drafters with
+    empty drafts) after one untimed round that compiles it. The controller's first estimate: what
+    the server's rounds then take replaces it."""
     saved = self.state, self.dstate
     ms = []
     try:
@@ -368,13 +384,11 @@ class SlotEngine:
     """A round at `width` without host drafting (host drafters' programs are the verification of
     an empty draft of that width), waited for."""
     if self.drafter.on_device:
-      self._round(width, np.minimum(self.dp["n_max"], width))
+      self._run(width, np.minimum(self.dp["n_max"], width), None, 1)
       return
-    sampling, dp, max_new = self._device_params()
+    inputs = self._device_params()
     if width == 0:
-      self._plain(sampling, max_new)
+      self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, 0, inputs)
       return
-    self.state, *rest = _round_step(RoundSpec(cfg=self.cfg, rollback=self.rollback), self.params, (), self.state, (),
-                                    sampling, dp, self.stop, max_new, jnp.zeros((self.b, width), jnp.int32),
-                                    jnp.zeros((self.b,), jnp.int32))
-    jax.block_until_ready(rest)
+    self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, width, inputs,
+               draft=(jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32)))

@@ -2,7 +2,8 @@
 
 Updated by the model thread (rounds, first tokens, finished requests) and read by `/metrics`:
 tokens/s over a sliding window, tau (tokens emitted per slot-round), acceptance by draft
-position, rounds by verification width (adaptive drafting's choices), queue length and running slots.
+position, rounds by verification width (adaptive drafting's choices) and by batch bucket, device
+calls, queue length and running slots.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,6 +30,9 @@ class ServeMetrics:
     self.rounds = Counter("specjax_rounds", "rounds run over the slot batch", registry=r)
     self.widths = Counter("specjax_rounds_at_width", "rounds by verification width (0: plain decoding step)",
                           ["width"], registry=r)
+    self.batches = Counter("specjax_rounds_at_batch", "rounds by batch bucket (the live slots gathered)",
+                           ["batch"], registry=r)
+    self.calls = Counter("specjax_device_calls", "device calls of rounds (one host round trip each)", registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -43,38 +49,43 @@ class ServeMetrics:
     self.running = Gauge("specjax_running_slots", "slots generating", registry=r)
     self.ttft = Histogram("specjax_time_to_first_token_seconds", "submission to first token", registry=r,
                           buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-    self._pos = [[0, 0] for _ in range(max_draft)]      # [drafted, accepted] per position
-    self._window: collections.deque[tuple[float, int]] = collections.deque()
+    self._pos = np.zeros((max_draft, 2), np.int64)      # [drafted, accepted] per position
+    self._window: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) of recent calls
+    self._in_window = 0                                                         # their tokens
     self._emitted = self._slot_rounds = 0
     self._lock = threading.Lock()
 
-  def round(self, emitted: int, seconds: float, width: int = 0) -> None:
-    """One round over the batch, at verification width `width`, emitted `emitted` tokens in all."""
+  def rounds_run(self, emitted, drafted, accepted, seconds: float, width: int = 0, batch: int = 0) -> None:
+    """A call of rounds at verification width `width` over a bucket of `batch` slots, `seconds`
+    long: emitted, drafted, accepted [R, B] per round and slot (a slot emits in every round it is live)."""
     now = time.perf_counter()
+    live = emitted > 0
+    n_rounds, n_emitted, n_live = emitted.shape[0], int(emitted.sum()), int(live.sum())
+    pos = np.arange(len(self._pos))
+    by_pos = np.stack([((drafted[:, :, None] > pos) & live[:, :, None]).sum(axis=(0, 1)),
+                       ((accepted[:, :, None] > pos) & live[:, :, None]).sum(axis=(0, 1))], axis=1)
     with self._lock:
-      self.rounds.inc()
-      self.widths.labels(width=str(width)).inc()
-      self._window.append((now, emitted))
+      self.rounds.inc(n_rounds)
+      self.calls.inc()
+      self.widths.labels(width=str(width)).inc(n_rounds)
+      self.batches.labels(batch=str(batch)).inc(n_rounds)
+      self._window.append((now, n_emitted))
+      self._in_window += n_emitted
       while self._window and self._window[0][0] < now - WINDOW_S:
-        self._window.popleft()
+        self._in_window -= self._window.popleft()[1]
       span = max(now - self._window[0][0], seconds, 1e-6)
-      self.tps.set(sum(n for _, n in self._window) / span)
-
-  def round_of_slot(self, drafted: int, accepted: int, emitted: int) -> None:
-    """One live slot's share of a round."""
-    with self._lock:
-      self.tokens.inc(emitted)
-      self.slot_rounds.inc()
-      self.drafted.inc(drafted)
-      self.accepted.inc(accepted)
-      self._emitted += emitted
-      self._slot_rounds += 1
-      self.tau.set(self._emitted / self._slot_rounds)
-      for i, pos in enumerate(self._pos):
-        pos[0] += i < drafted
-        pos[1] += i < accepted
-        if pos[0]:
-          self.by_pos.labels(position=str(i)).set(pos[1] / pos[0])
+      self.tps.set(self._in_window / span)
+      self.tokens.inc(n_emitted)
+      self.slot_rounds.inc(n_live)
+      self.drafted.inc(int(drafted.sum()))
+      self.accepted.inc(int(accepted.sum()))
+      self._emitted += n_emitted
+      self._slot_rounds += n_live
+      if self._slot_rounds:
+        self.tau.set(self._emitted / self._slot_rounds)
+      self._pos += by_pos
+      for i in np.flatnonzero(by_pos[:, 0]):
+        self.by_pos.labels(position=str(i)).set(self._pos[i, 1] / self._pos[i, 0])
 
   def first_token(self, seconds: float) -> None:
     self.ttft.observe(seconds)

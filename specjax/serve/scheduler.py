@@ -1,10 +1,21 @@
 """Continuous batching: requests join free slots between rounds and leave when they finish.
 
-One background thread owns the device and runs `Scheduler._loop`: it admits waiting requests
-into free slots (a bounded amount of chunked prefill per iteration, so the running batch keeps
-stepping), runs one round over every slot, and hands each request its new tokens. Requests talk
-to it only through thread-safe queues: `submit` enqueues, `cancel` asks the loop to free the slot,
-and each request's `sink` callback receives events (token lists, then a final event).
+One background thread owns the device and runs `Scheduler._run`: it admits waiting requests
+into free slots (chunked prefill, at most one chunk per round of the last call, so the running
+batch keeps stepping), runs one device call of rounds over the live slots, and hands each
+request its new tokens. Requests talk to it only through thread-safe queues: `submit` enqueues, `cancel` asks the
+loop to free the slot, and each request's `sink` receives events (token lists, then a final event).
+A joining request's first token is read with the call's outputs (one transfer per iteration, no
+wait per join), and delivered before the tokens of its first rounds.
+
+A call runs up to the engine's `rounds_max` rounds, so that one host round trip, one pass of
+bookkeeping and one event per request cover several rounds; requests join between calls, so a
+call runs one round while a prompt is prefilled in chunks, and while requests wait for a slot it
+ends where the first running request may end. A request that arrives during a call waits for it
+to end (at most `rounds_max` rounds); one cancelled during a call loses at most that call's
+tokens. The bookkeeping of a call is array arithmetic over the slots (per-slot counters, read
+into a request's usage when it ends), and an iteration's events reach each asyncio loop in one
+thread-safe call (`LoopSink`).
 """
 
 from __future__ import annotations
@@ -41,6 +52,34 @@ class GenRequest:
   p_min: float = 0.0
 
 
+class LoopSink:
+  """A request's events into `queue`, an asyncio queue of `loop`, from any thread."""
+
+  def __init__(self, loop, queue):
+    self.loop, self.queue = loop, queue
+
+  def __call__(self, event: dict) -> None:
+    self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _put_all(items) -> None:
+  for queue, event in items:
+    queue.put_nowait(event)
+
+
+def publish(events: list[tuple[Callable, dict]]) -> None:
+  """Hand events to their sinks: those of `LoopSink`s in one thread-safe call per event loop (one
+  wake-up of the loop per iteration, not one per request), other sinks called directly."""
+  by_loop: dict = {}
+  for sink, event in events:
+    if isinstance(sink, LoopSink):
+      by_loop.setdefault(sink.loop, []).append((sink.queue, event))
+    else:
+      sink(event)
+  for loop, items in by_loop.items():
+    loop.call_soon_threadsafe(_put_all, items)
+
+
 @dataclasses.dataclass
 class SpecUsage:
   """Per-request speculation counters (reported in the response's `usage`)."""
@@ -52,25 +91,44 @@ class SpecUsage:
   accepted_by_position: list[int] = dataclasses.field(default_factory=list)
   drafted_by_position: list[int] = dataclasses.field(default_factory=list)
 
-  def add(self, drafted: int, accepted: int, emitted: int, width: int) -> None:
-    if len(self.drafted_by_position) < width:
-      self.drafted_by_position = [0] * width
-      self.accepted_by_position = [0] * width
-    self.rounds += 1
-    self.drafted += drafted
-    self.accepted += accepted
-    self.emitted += emitted
-    for i in range(min(drafted, width)):
-      self.drafted_by_position[i] += 1
-    for i in range(min(accepted, width)):
-      self.accepted_by_position[i] += 1
-
   def as_dict(self) -> dict:
     tau = self.emitted / self.rounds if self.rounds else 0.0
     rate = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
     return {"enabled": self.enabled, "rounds": self.rounds, "draft_tokens": self.drafted,
             "accepted_tokens": self.accepted, "tau": round(tau, 4),
             "acceptance_by_position": [round(r, 4) for r in rate]}
+
+
+class SlotCounters:
+  """Per-slot speculation counters of the running requests ([B] arrays, [B, W] by draft position),
+  advanced by every call of rounds at once and read into a request's `SpecUsage` when it ends."""
+
+  def __init__(self, slots: int, width: int):
+    self.width = width
+    self.rounds, self.drafted, self.accepted, self.emitted = (np.zeros(slots, np.int64) for _ in range(4))
+    self.drafted_by_pos, self.accepted_by_pos = (np.zeros((slots, width), np.int64) for _ in range(2))
+
+  def add(self, emitted: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+    """A call's rounds: emitted, drafted, accepted [R, B] (a slot emits in every round it is live)."""
+    pos = np.arange(self.width)
+    self.rounds += (emitted > 0).sum(axis=0)
+    self.emitted += emitted.sum(axis=0)
+    self.drafted += drafted.sum(axis=0)
+    self.accepted += accepted.sum(axis=0)
+    self.drafted_by_pos += (drafted[:, :, None] > pos).sum(axis=0)
+    self.accepted_by_pos += (accepted[:, :, None] > pos).sum(axis=0)
+
+  def usage(self, slot: int, usage: "SpecUsage") -> None:
+    """Copy slot `slot`'s counters into `usage`."""
+    usage.rounds, usage.emitted = int(self.rounds[slot]), int(self.emitted[slot])
+    usage.drafted, usage.accepted = int(self.drafted[slot]), int(self.accepted[slot])
+    if usage.rounds:
+      usage.drafted_by_position = self.drafted_by_pos[slot].tolist()
+      usage.accepted_by_position = self.accepted_by_pos[slot].tolist()
+
+  def reset(self, slot: int) -> None:
+    for a in (self.rounds, self.drafted, self.accepted, self.emitted, self.drafted_by_pos, self.accepted_by_pos):
+      a[slot] = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,17 +151,20 @@ class Scheduler:
                metrics=None, stop_ids=()):
     self.engine = engine
     self.max_queue = max_queue
-    self.prefill_budget = prefill_budget or engine.chunk   # prompt tokens prefilled per loop iteration
+    self.prefill_budget = prefill_budget or engine.chunk   # prompt tokens prefilled per round of the last call
+    self._last_rounds = 1                                  # rounds the last call ran
     self.metrics = metrics
     self.stop_ids = set(stop_ids)
     self._waiting: collections.deque[Handle] = collections.deque()
     self._joining: list[tuple[Handle, object]] = []
     self._slots: list[Handle | None] = [None] * engine.b
+    self._counters = SlotCounters(engine.b, engine.max_draft)
     self._cancel: set[Handle] = set()
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
     self._live: dict[int, Handle] = {}       # submitted and not yet ended
+    self._outbox: list[tuple[Callable, dict]] = []   # this iteration's events, published at its end
     self._stop = False
     self._thread: threading.Thread | None = None
     self.error: BaseException | None = None
@@ -111,7 +172,8 @@ class Scheduler:
   # --- called from request handlers (any thread) ------------------------------------------------
 
   def submit(self, req: GenRequest, sink: Callable[[dict], None]) -> Handle:
-    """Queue a request; its events go to `sink` (called on the model thread). QueueFull when full."""
+    """Queue a request; its events go to `sink` (called on the model thread; a `LoopSink` gets
+    them through its loop). QueueFull when full."""
     with self._lock:
       if len(self._waiting) >= self.max_queue:
         raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.max_queue}); retry later")
@@ -122,7 +184,7 @@ class Scheduler:
     return h
 
   def cancel(self, h: Handle) -> None:
-    """Stop generating for `h` (client gone, stop string seen): its slot frees before the next round."""
+    """Stop generating for `h` (client gone, stop string seen): its slot frees before the next call."""
     with self._lock:
       if not h.finished:
         self._cancel.add(h)
@@ -165,30 +227,54 @@ class Scheduler:
       self.error = e
       for h in list(self._live.values()):
         self._end(h, "error", error=f"{type(e).__name__}: {e}")
+      self._publish()
       raise
 
   def _iteration(self) -> None:
-    """Cancellations, then admissions (bounded prefill), then one round of the running slots."""
+    """Cancellations, then admissions (bounded prefill), then one call of rounds over the live
+    slots; the iteration's events are published together at its end."""
     self._apply_cancellations()
     self._admit()
+    out = None
     if self.running():
+      rounds = self._next_rounds()
       t0 = time.perf_counter()
-      out = self.engine.step()
-      self._dispatch(out, time.perf_counter() - t0)
+      out = self.engine.step(rounds)
+      seconds = time.perf_counter() - t0
+      self._last_rounds = max(1, out.rounds)
+    self._first_tokens()
+    if out is not None:
+      self._dispatch(out, seconds)
     if self.metrics is not None:
       self.metrics.set_load(len(self._waiting), self.running())
+    self._publish()
+
+  def _next_rounds(self) -> int:
+    """One round while a prompt is being prefilled in chunks (its next chunk runs between calls);
+    while requests wait for a slot, the rounds until the first running request may end (its token
+    budget at the widest draft), so that a waiting request takes its slot then; else the engine's
+    most."""
+    most = self.engine.rounds_max
+    if self._joining:
+      return 1
+    if self._waiting:
+      left = min(h.request.max_tokens - h.n_out for h in self._slots if h is not None)
+      return max(1, min(most, -(-left // (self.engine.max_draft + 1))))
+    return most
+
+  def _publish(self) -> None:
+    events, self._outbox = self._outbox, []
+    if events:
+      publish(events)
 
   def _apply_cancellations(self) -> None:
     with self._lock:
       gone, self._cancel = self._cancel, set()
       self._waiting = collections.deque(h for h in self._waiting if h not in gone)
     self._joining = [(h, j) for h, j in self._joining if h not in gone]
-    freed = [h.slot for h in gone if h.slot is not None and self._slots[h.slot] is h]
-    if freed:
-      self.engine.finish(freed)
+    freed = [h for h in gone if h.slot is not None and self._slots[h.slot] is h]
+    self._free(freed)
     for h in gone:
-      if h.slot is not None and self._slots[h.slot] is h:
-        self._slots[h.slot] = None
       if not h.finished:
         self._end(h, "cancelled")
 
@@ -197,7 +283,9 @@ class Scheduler:
     return [i for i, h in enumerate(self._slots) if h is None and i not in taken]
 
   def _admit(self) -> None:
-    """Start prefills for waiting requests while slots are free, then spend the prefill budget."""
+    """Start prefills for waiting requests while slots are free, then spend the prefill budget:
+    `prefill_budget` prompt tokens per round the last call ran, so the prefill between calls stays
+    at most one chunk per round of the running batch, as with one round per call."""
     free = self._free_slots()
     with self._lock:
       while free and self._waiting:
@@ -206,7 +294,7 @@ class Scheduler:
         r = h.request
         self._joining.append((h, self.engine.begin_join(r.prompt, temperature=r.temperature, top_k=r.top_k,
                                                          top_p=r.top_p, seed=r.seed, max_new=r.max_tokens)))
-    budget = self.prefill_budget
+    budget = self.prefill_budget * self._last_rounds
     while self._joining and budget > 0:
       h, j = self._joining[0]
       before = j.offset
@@ -217,50 +305,64 @@ class Scheduler:
         self._join(h, j, done)
 
   def _join(self, h: Handle, j, prefilled) -> None:
+    """Insert a prefilled request into its slot; its first token comes with the next call's outputs."""
     r = h.request
     k = self.engine.max_draft
     n_max = 0 if not r.speculative else (k if r.n_max is None else min(r.n_max, k))
-    first, done = self.engine.insert(h.slot, j, prefilled,
-                                     draft=DraftParams(n_max=n_max, n_min=min(r.n_min, n_max), p_min=r.p_min))
+    self.engine.insert(h.slot, j, prefilled, draft=DraftParams(n_max=n_max, n_min=min(r.n_min, n_max), p_min=r.p_min))
     self._slots[h.slot] = h
-    if self.metrics is not None:
-      self.metrics.first_token(time.perf_counter() - h.submitted)
-    self._deliver(h, [first])
-    if done:
-      self._leave(h, "stop" if first in self.stop_ids else "length")
+    self._counters.reset(h.slot)
+
+  def _first_tokens(self) -> None:
+    """Deliver the first token of every request that joined this iteration (before its rounds'
+    tokens); one done at it leaves."""
+    left, reasons = [], []
+    for slot, first, done in self.engine.first_tokens():
+      h = self._slots[slot]
+      if self.metrics is not None:
+        self.metrics.first_token(time.perf_counter() - h.submitted)
+      self._deliver(h, [first])
+      if done:
+        left.append(h)
+        reasons.append("stop" if first in self.stop_ids else "length")
+    self._leave(left, reasons)
 
   def _dispatch(self, out, seconds: float) -> None:
-    """Hand each running request its new tokens; finished ones leave their slots."""
-    width = self.engine.max_draft
-    emitted = 0
-    for i, h in enumerate(self._slots):
-      if h is None:
-        continue
-      n = int(out.n_new[i])
-      emitted += n
-      h.usage.add(int(out.drafted[i]), int(out.accepted[i]), n, width)
-      if self.metrics is not None:
-        self.metrics.round_of_slot(int(out.drafted[i]), int(out.accepted[i]), n)
-      toks = [int(t) for t in np.asarray(out.tokens[i, :n])]
-      if toks:
-        self._deliver(h, toks)
-      if out.done[i]:
-        self._leave(h, "stop" if toks and toks[-1] in self.stop_ids else "length")
+    """Hand each running request the tokens of the call's rounds; finished ones leave their slots."""
+    self._counters.add(out.emitted, out.drafted, out.accepted)
     if self.metrics is not None:
-      self.metrics.round(emitted, seconds, out.width)
+      self.metrics.rounds_run(out.emitted, out.drafted, out.accepted, seconds, out.width, out.batch)
+    left, reasons = [], []
+    for i in np.flatnonzero(out.n_new):      # every slot live at the call's start emitted
+      h = self._slots[i]
+      toks = out.tokens[i, :out.n_new[i]].tolist()
+      self._deliver(h, toks)
+      if out.done[i]:
+        left.append(h)
+        reasons.append("stop" if toks and toks[-1] in self.stop_ids else "length")
+    self._leave(left, reasons)
 
   def _deliver(self, h: Handle, tokens: list[int]) -> None:
     h.n_out += len(tokens)
-    h.sink({"tokens": tokens})
+    self._outbox.append((h.sink, {"tokens": tokens}))
 
-  def _leave(self, h: Handle, reason: str) -> None:
-    self.engine.finish([h.slot])
-    self._slots[h.slot] = None
-    self._end(h, reason)
+  def _free(self, handles: list[Handle]) -> None:
+    """Free the slots of `handles` (one engine call), their counters read into their usage."""
+    if not handles:
+      return
+    self.engine.finish([h.slot for h in handles])
+    for h in handles:
+      self._counters.usage(h.slot, h.usage)
+      self._slots[h.slot] = None
+
+  def _leave(self, handles: list[Handle], reasons: list[str]) -> None:
+    self._free(handles)
+    for h, reason in zip(handles, reasons):
+      self._end(h, reason)
 
   def _end(self, h: Handle, reason: str, error: str | None = None) -> None:
     h.finished = True
     self._live.pop(h.id, None)
     if self.metrics is not None:
       self.metrics.request_done(reason, h.n_out)
-    h.sink({"finish_reason": reason, "usage": h.usage.as_dict(), "error": error})
+    self._outbox.append((h.sink, {"finish_reason": reason, "usage": h.usage.as_dict(), "error": error}))
