@@ -7,8 +7,10 @@ Two questions, on every device of one host:
     device count) beside one device;
 (b) model parallel: a target of Llama-3.1-8B shapes with random bf16 weights (timing does not
     depend on the values; SmolLM2 is too small for tensor parallelism to pay) at model = 2 and 4
-    (those that fit the devices) beside one device, batch 1 and 8, plain decoding. SmolLM2 itself
-    (9 heads, 3 KV heads) shards over model = 3 only, which runs where 3 or more devices are.
+    (those that fit the devices) beside one device, batch 1 and 8, plain decoding. The real-weights
+    target runs over every model size that divides its heads, each of --methods (speculation on real
+    weights under tensor parallelism): SmolLM2 (9 heads, 3 KV heads) over model = 3 only, where 3 or
+    more devices are; Qwen2.5-Coder-0.5B (--model qwen2.5-coder-0.5b-instruct, 14 / 2 heads) over 2.
 
 Every row is an untimed first call (compilation) and a timed call of `api.generate` with the same
 shapes; tokens/s counts the tokens generated (stops at EOS included). A sharded row's speedup is
@@ -29,6 +31,8 @@ and mesh) come at the end, or from a JSON with --plot-only.
 
   python experiments/sharding_bench.py --out $OUT/sharding.json --mtp-head HEAD
   python experiments/sharding_bench.py --tiny --out /tmp/sharding_tiny.json     # CPU dry run, 8 fake devices
+  python experiments/sharding_bench.py --model qwen2.5-coder-0.5b-instruct --methods plain ngram_simple \
+      --batches 8 --no-large --out $OUT/sharding_qwen05.json    # real weights, speculative, model=2 beside one device
 """
 
 from __future__ import annotations
@@ -259,8 +263,9 @@ def main(argv=None) -> int:
   if large is not None and sizes:
     model_parallel(large, sizes)
   data_parallel(args.batches[1:])
-  if smol_sizes:
-    model_parallel(target, smol_sizes)
+  if smol_sizes:                            # the real-weights target over model, each method
+    for method in args.methods:
+      model_parallel(target, smol_sizes, method)
   for m in args.model_sizes:
     if m not in smol_sizes:
       bench.skipped.append({"section": "model_parallel", "model": target.name, "mesh": f"data=1,model={m}",
