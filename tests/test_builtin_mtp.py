@@ -137,8 +137,11 @@ def test_the_folder_s_own_layers_load_as_the_mtp_speculator(ckpt):
   same(head["enorm"]["weight"], mtp.pre_e.weight)
   same(out["norm"], mtp.trunk.norm.weight)
   attn = mtp.trunk.layers[0].self_attn
-  qkv = np.concatenate([attn.q_proj.weight.detach().numpy(), attn.k_proj.weight.detach().numpy(),
-                        attn.v_proj.weight.detach().numpy()], axis=0)
+  from specjax.models.hybrid import gated_qkv_layout
+  from specjax.models.weights import fuse_rows
+  c = target.cfg                                        # q / k / v rows placed by the fused layout
+  qkv = fuse_rows([attn.q_proj.weight.detach().numpy(), attn.k_proj.weight.detach().numpy(),
+                   attn.v_proj.weight.detach().numpy()], gated_qkv_layout(c.n_heads, c.n_kv_heads, c.head_dim))
   np.testing.assert_array_equal(np.asarray(head["block"]["self_attn"]["qkv_proj"]["kernel"]), qkv.T)
   named = make_speculator("mtp", target, head=str(path), draft_params=DraftParams(n_max=K))    # --head HF_DIR
   jax.tree_util.tree_map(np.testing.assert_array_equal, named.weights["heads"], drafter.weights["heads"])

@@ -30,7 +30,7 @@ from flax import nnx
 from specjax.models.decoder import attention_masks, params_dtype
 from specjax.models.gated_deltanet import GatedDeltaNet
 from specjax.models.hybrid_config import HybridConfig
-from specjax.models.layers import MLP, Linear, RMSNorm, attend, rope
+from specjax.models.layers import MLP, Linear, RMSNorm, attend, grouped_layout, rope
 from specjax.models.recurrent_state import ROLLBACK_MODES, HybridState, rollback_per_step, select_rows
 from specjax.models.kv_cache import check_capacity
 
@@ -39,14 +39,23 @@ from specjax.models.kv_cache import check_capacity
 # modules
 
 
+def gated_qkv_layout(n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], int]:
+  """The fused layout of gated attention's q_proj (query | gate per head), k_proj, v_proj: grouped
+  per KV head (`layers.grouped_layout`)."""
+  return grouped_layout((2 * n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), n_kv_heads)
+
+
 class GatedAttention(nnx.Module):
   """Qwen3.5 `self_attn`: per-head query and output gate from one projection, QK-norm (1 + w),
   partial rotary embedding, sigmoid-gated output."""
 
   def __init__(self, cfg: HybridConfig, *, dtype, rngs: nnx.Rngs):
     h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # [HF q_proj (per head: query | gate) | k_proj | v_proj] as one GEMM.
-    self.qkv_proj = Linear(cfg.d_model, (2 * h + 2 * kvh) * d, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
+    # HF q_proj (per head: query | gate), k_proj and v_proj as one GEMM, columns grouped per KV head
+    # (for KV head g: its H / KVH heads' query | gate, then K_g, then V_g), as `layers.qkv_layout`
+    # groups plain attention: a split over the mesh's model axis keeps every group on one device.
+    self.qkv_proj = Linear(cfg.d_model, (2 * h + 2 * kvh) * d, bias=cfg.attn_bias, dtype=dtype, rngs=rngs,
+                           fused=gated_qkv_layout(h, kvh, d))
     self.o_proj = Linear(h * d, cfg.d_model, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
     self.q_norm = RMSNorm(d, cfg.norm_eps, offset=True, dtype=dtype)
     self.k_norm = RMSNorm(d, cfg.norm_eps, offset=True, dtype=dtype)
@@ -61,11 +70,11 @@ class GatedAttention(nnx.Module):
     """x [B, T, d_model]; positions [B, T]; write_kv(k_new, v_new) -> (k_all, v_all); mask [B, T, S]."""
     b, t, _ = x.shape
     h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
-    qkv = self.qkv_proj(x)                                                        # [B, T, (2H+2KVH)*D]
-    qg = qkv[..., :2 * h * d].reshape(b, t, h, 2 * d)
+    g = h // kvh
+    qkv = self.qkv_proj(x).reshape(b, t, kvh, 2 * g + 2, d)                       # [B, T, KVH, 2G+2, D]
+    qg = qkv[:, :, :, :2 * g].reshape(b, t, h, 2 * d)                             # per head: query | gate
     q, gate = qg[..., :d], qg[..., d:]                                            # [B, T, H, D] each
-    k = qkv[..., 2 * h * d:(2 * h + kvh) * d].reshape(b, t, kvh, d)               # [B, T, KVH, D]
-    v = qkv[..., (2 * h + kvh) * d:].reshape(b, t, kvh, d)
+    k, v = qkv[:, :, :, 2 * g], qkv[:, :, :, 2 * g + 1]                           # [B, T, KVH, D]
     q, k = self._rope(self.q_norm(q), positions), self._rope(self.k_norm(k), positions)
     k_all, v_all = write_kv(k, v)                                                 # [B, S, KVH, D]
     out = attend(q, k_all, v_all, mask, self.scale) * jax.nn.sigmoid(gate)        # [B, T, H, D]

@@ -16,6 +16,7 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Transformer
+from specjax.models.hybrid import gated_qkv_layout
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.layers import Linear, fused_order, gate_up_layout, qkv_layout
 
@@ -25,10 +26,10 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 def fused_layout(cfg) -> dict[str, tuple[tuple[int, ...], int]]:
   """The layout of each fused projection of a decoder layer of `cfg` (module name -> (output size
-  of each HF part, groups)), as its modules declare it. A hybrid config's gated attention keeps
-  [q_proj (query | gate per head) | k_proj | v_proj] in one group."""
+  of each HF part, groups)), as its modules declare it. A hybrid config's gated attention groups
+  [q_proj (query | gate per head) | k_proj | v_proj] per KV head (`hybrid.gated_qkv_layout`)."""
   h, kvh, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  qkv = ((2 * h * d, kvh * d, kvh * d), 1) if isinstance(cfg, HybridConfig) else qkv_layout(h, kvh, d)
+  qkv = gated_qkv_layout(h, kvh, d) if isinstance(cfg, HybridConfig) else qkv_layout(h, kvh, d)
   return {"qkv_proj": qkv, "gate_up_proj": gate_up_layout(cfg.ffn_dim)}
 
 

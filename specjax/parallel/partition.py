@@ -25,9 +25,9 @@ split over "model" then gives each device whole KV groups (`check_target` requir
 the KV heads) and the gate and up columns of the same units, so a decoder layer costs Megatron's
 2 all-reduces and nothing else. Split as whole parts ([Q | K | V], [gate | up]), one device would
 hold all of Q and another K and V, and XLA would move the projected activations to where attention
-and the gated product need them (collective-permutes after every fused projection), as a hybrid
-target's gated attention still does (its `qkv_proj` is [q_proj (query | gate) | k_proj | v_proj],
-`models/hybrid.py`). tests/test_partition_layout.py checks the shard contents from the loaded weights and the
+and the gated product need them (collective-permutes after every fused projection). A hybrid
+target's gated attention groups its `qkv_proj` (query | gate per head, K, V) per KV head the same
+way (`models/hybrid.py`); its DeltaNet projections are not split (replicated). tests/test_partition_layout.py checks the shard contents from the loaded weights and the
 collectives of a compiled decode step.
 
 Note on per-row writes under "data": XLA keeps a scatter into batch-sharded state local only when
