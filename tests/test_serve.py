@@ -6,8 +6,8 @@ plain / device / host drafters, several arrival orders), per-request speculative
 only that request's drafting, a bounded load test (valid, cancelled and malformed requests)
 leaves the server healthy with every slot free, a full queue answers 429, the metrics count every
 round's tokens and finish reasons, a cancel takes effect within one call, and the rounds per call
-follow the waiting requests. Adaptive drafting: test_serve_adaptive.py; bench-serve:
-test_bench_serve.py."""
+follow the waiting requests. Adaptive drafting: test_serve_adaptive.py; requests joining together
+prefilled in one call: test_serve_prefill.py; bench-serve: test_bench_serve.py."""
 
 from __future__ import annotations
 

@@ -9,8 +9,11 @@ and `slot_programs.py` are the ones to change.
 
 Slots: one `GenState` of batch B (KV cache of capacity C per slot, history of C tokens); a free
 or finished slot has `done` set, so the round masks it (it drafts nothing, commits nothing and
-emits nothing). A request joins by a batch-1 prefill (in chunks, so the running batch keeps
-stepping between them) whose state is scattered into the free slot by one jitted update.
+emits nothing). Requests join by prefill calls straight into their slots' rows (`joining`,
+`slot_programs.prefill_rows`): the requests joining together share each call, their prompt pieces
+stacked as one batch (per-row lengths and positions, padded to a few row counts and widths), in
+chunks where the drafter allows (the running batch keeps stepping between them; a slot mid-prompt
+stays done, so rounds leave it as it is), else the whole prompt in one pass.
 
 A device call (`step`) runs up to `rounds_max` rounds in one `lax.while_loop` (fewer once every
 slot in it is done), so one host round trip covers several rounds. The live slots are gathered
@@ -37,10 +40,10 @@ from specjax.drafters.base import DraftParams, check_drafter
 from specjax.engine import RoundSpec
 from specjax.engine.generation import GenState, round_up, target_of
 from specjax.engine.sampling import SamplingParams
+from specjax.serve import joining as joins
 from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
-
-CHUNK_BUCKET = 64      # prefill chunks are padded to a multiple of this (few compiled widths)
+from specjax.serve.joining import CHUNK_BUCKET, Joining
 
 
 @dataclasses.dataclass
@@ -61,16 +64,6 @@ class RoundOut:
     return self.emitted.shape[0]
 
 
-@dataclasses.dataclass
-class Joining:
-  """A request being prefilled into a private batch-1 state, one chunk at a time."""
-  prompt: np.ndarray     # [T] int32
-  sampling: SamplingParams   # batch 1
-  max_new: int
-  offset: int = 0        # prompt tokens already in the cache
-  cache: object = None   # batch-1 target state
-
-
 def default_buckets(slots: int) -> tuple[int, ...]:
   """Batch sizes the rounds compile for: 1, 8, 32, 128, ... up to half the slots (a bucket copies
   its rows out of the slot batch and back, which pays only when it is much smaller), and every slot."""
@@ -80,7 +73,7 @@ def default_buckets(slots: int) -> tuple[int, ...]:
 
 class SlotEngine:
   """B slots of one target (+ one speculator, or none) and the operations the scheduler needs:
-  `begin_join` / `prefill_step` (chunked prefill), `insert`, `finish` and `step` (rounds)."""
+  `begin_join` / `plan_prefill` / `prefill` (joining), `first_tokens`, `finish` and `step` (rounds)."""
 
   def __init__(self, target, drafter=None, *, slots: int, capacity: int, chunk: int = 256,
                stop_ids=(), rollback: str = "per_step", host_drafter_factory=None, adaptive=None,
@@ -93,6 +86,7 @@ class SlotEngine:
     self.drafter = None if drafter is None else check_drafter(drafter)
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
     self.buckets = tuple(sorted({min(int(n), slots) for n in (buckets or default_buckets(slots)) if n >= 1} | {slots}))
+    self.prefill_buckets = joins.prefill_buckets(slots)
     self.rounds_max = 1 if drafter is not None and not drafter.on_device else max(1, int(rounds_per_call))
     self.rollback = rollback
     self.stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
@@ -118,112 +112,126 @@ class SlotEngine:
     return d is None or not d.on_device or (d.commit_free and not d.taps)
 
   def _init_batch(self):
-    """All slots free: an empty batch-B state (and drafter state, shaped by a dummy prefill)."""
-    b = self.b
+    """All slots free: an empty batch-B state and drafter state, and which of their leaves have
+    the slot axis (against the same built at batch 1, shapes only)."""
     self.dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
-    cache = target_of(self.cfg).init_state(self.cfg, b, self.capacity, self.dtype)
-    z = lambda: jnp.zeros((b,), jnp.int32)       # distinct buffers: the batch state is donated
-    self.state = GenState(cache=cache, history=jnp.zeros((b, self.capacity), jnp.int32), hist_len=z(),
-                          prompt_len=z(), last=z(), keys=jnp.zeros((b, 2), jnp.uint32), done=jnp.ones((b,), bool))
-    self.dstate = ()
-    if self.drafter is not None and self.drafter.on_device:
-      toks = jnp.zeros((b, CHUNK_BUCKET), jnp.int32)
-      lens = jnp.ones((b,), jnp.int32)
-      _, tapped, _ = target_of(self.cfg).forward(self.params, self.cfg, toks, cache, n_new=lens,
-                                                 taps=self.drafter.taps, last_only=True)
-      self.dstate = self.drafter.init(self.dparams, toks, lens, tapped, self.capacity)
+    self.state, self.dstate = self._blank(self.b)
+    one = jax.eval_shape(lambda: self._blank(1))
+    self._masks = (programs.slot_leaves(self.state, one[0]), programs.slot_leaves(self.dstate, one[1]))
+    b = self.b
     self.sampling = np.zeros((b,), np.float32), np.zeros((b,), np.int32), np.ones((b,), np.float32)
     self.dp = {"n_max": np.zeros((b,), np.int32), "n_min": np.zeros((b,), np.int32),
                "p_min": np.zeros((b,), np.float32)}
     self.max_new = np.ones((b,), np.int32)
     self.live = np.zeros((b,), bool)   # host copy of ~done for the slots (buckets and adaptive drafting read it)
     self._dev = None      # device copies of the per-slot parameters (rebuilt when they change)
-    self._masks = None    # which state / drafter-state leaves have the slot axis (from the first prefill)
-    self._joined = []     # (slot, first token, done) device arrays of requests inserted since `first_tokens`
+    self._joined = []     # ([(slot, row)], first tokens, done) of prefill calls since `first_tokens`
 
-  def begin_join(self, prompt: list[int], *, temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new=16) -> Joining:
-    """A request's private prefill state (nothing runs yet)."""
-    sampling = SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    cache = programs.empty_cache(cfg=self.cfg, capacity=self.capacity, dtype=self.dtype)
-    return Joining(prompt=np.asarray(prompt, np.int32), sampling=sampling, max_new=int(max_new), cache=cache)
+  def _blank(self, b: int):
+    """(GenState, drafter state) of b free slots (the drafter's shaped by a dummy prefill)."""
+    cache = target_of(self.cfg).init_state(self.cfg, b, self.capacity, self.dtype)
+    z = lambda: jnp.zeros((b,), jnp.int32)       # distinct buffers: the batch state is donated
+    state = GenState(cache=cache, history=jnp.zeros((b, self.capacity), jnp.int32), hist_len=z(),
+                     prompt_len=z(), last=z(), keys=jnp.zeros((b, 2), jnp.uint32), done=jnp.ones((b,), bool))
+    dstate = ()
+    if self.drafter is not None and self.drafter.on_device:
+      toks = jnp.zeros((b, CHUNK_BUCKET), jnp.int32)
+      lens = jnp.ones((b,), jnp.int32)
+      _, tapped, _ = target_of(self.cfg).forward(self.params, self.cfg, toks, cache, n_new=lens,
+                                                 taps=self.drafter.taps, last_only=True)
+      dstate = self.drafter.init(self.dparams, toks, lens, tapped, self.capacity)
+    return state, dstate
 
-  def prefill_step(self, j: Joining):
-    """Run the next chunk of `j`'s prompt. Returns None while chunks remain, then (state1, dstate1)."""
-    rest = len(j.prompt) - j.offset
-    if self.chunked and rest > self.chunk:
-      toks = j.prompt[None, j.offset:j.offset + self.chunk]
-      j.cache = programs.prefill_chunk(self.params, j.cache, toks, np.asarray([self.chunk], np.int32), cfg=self.cfg)
-      j.offset += self.chunk
-      return None
-    width = round_up(rest, CHUNK_BUCKET)
-    toks = np.zeros((1, width), np.int32)
-    toks[0, :rest] = j.prompt[j.offset:]
-    # chunked: the history row is capacity-wide, so one program per last-chunk width serves every prompt
-    full = np.zeros((1, self.capacity if self.chunked else width), np.int32)
-    full[0, :len(j.prompt)] = j.prompt
-    return programs.prefill_last(self.params, self.dparams, j.cache, toks, np.asarray([rest], np.int32),
-                         full, np.asarray([len(j.prompt)], np.int32), j.sampling, self.stop,
-                         np.asarray([j.max_new], np.int32), cfg=self.cfg, drafter=self.drafter,
-                         history_len=self.capacity, capacity=self.capacity)
-
-  def insert(self, slot: int, j: Joining, prefilled, *, draft: DraftParams) -> None:
-    """Put a prefilled request into `slot` with its draft parameters (n_max 0 = no speculation).
-    Nothing waits for the prefill: its first token is read with the next call's outputs
-    (`first_tokens`), so the host queues the prefill, the join and the rounds back to back."""
-    state1, dstate1 = prefilled
-    self._learn_masks(state1, dstate1)
-    self.state, self.dstate = programs.insert_row(self.state, self.dstate, np.int32(slot), state1, dstate1)
-    s = j.sampling
-    for arr, val in zip(self.sampling, (s.temperature, s.top_k, s.top_p)):
-      arr[slot] = np.asarray(val)[0]
+  def begin_join(self, prompt: list[int], *, slot: int, draft: DraftParams, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=0, max_new=16) -> Joining:
+    """A request's joining record for `slot`, with its draft parameters (n_max 0 = no speculation);
+    nothing runs yet."""
     k = self.max_draft
-    for name, arr in DraftParams(n_max=min(int(draft.n_max), k), n_min=min(int(draft.n_min), k),
-                                 p_min=draft.p_min).arrays(1, k).items():
+    draft = DraftParams(n_max=min(int(draft.n_max), k), n_min=min(int(draft.n_min), k), p_min=draft.p_min)
+    return joins.make_joining(prompt, slot=slot, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=seed, max_new=max_new)
+
+  @property
+  def _piece_limit(self) -> int | None:
+    return self.chunk if self.chunked else None
+
+  def plan_prefill(self, joining: list[Joining], budget: int, force: bool = True) -> tuple[list[Joining], int]:
+    """The joining requests the next prefill call takes within `budget` tokens of work (rows
+    bucket x widest piece; `joining.plan`) -> (requests, work)."""
+    return joins.plan(joining, budget, chunk=self._piece_limit, buckets=self.prefill_buckets, force=force)
+
+  def prefill(self, joining: list[Joining]) -> list[Joining]:
+    """One prefill call: the next piece of every request of `joining`, stacked as one batch and
+    written into their slots. Returns the requests whose prompt ended (now in their slots, with
+    their draft parameters). Nothing waits for the call: the first tokens are read with the next
+    call's outputs (`first_tokens`), so the host queues the prefill and the rounds back to back."""
+    limit = self._piece_limit
+    width = max(round_up(j.piece(limit), CHUNK_BUCKET) for j in joining)
+    finished = self._prefill_call(joining, joins.rows_bucket(len(joining), self.prefill_buckets), width)
+    for j in joining:
+      j.offset += j.piece(limit)
+    for j in finished:
+      self._seat(j)
+    return finished
+
+  def _prefill_call(self, joining: list[Joining], rows: int, width: int):
+    """`prefill_rows` over `joining` padded to `rows` rows and `width` -> the requests it finishes."""
+    # chunked: the history row is capacity-wide, so one program per (rows, width) serves every prompt
+    batch, sampling = joins.stack(joining, rows, width, chunk=self._piece_limit, slots=self.b,
+                                  prompt_width=self.capacity if self.chunked else width)
+    self.state, self.dstate, first, done = programs.prefill_rows(
+        self.params, self.dparams, self.state, self.dstate, batch, sampling, self.stop, cfg=self.cfg,
+        drafter=self.drafter, capacity=self.capacity, masks=self._masks)
+    finished = [j for j, f in zip(joining, batch.finish) if f]
+    if finished:
+      self._joined.append(([(j.slot, i) for i, j in enumerate(joining) if batch.finish[i]], first, done))
+    return finished
+
+  def _seat(self, j: Joining) -> None:
+    """The host side of a request whose prompt is in its slot: its sampling and draft parameters,
+    its host drafter, and the slot live (a request done at its first token is masked by its state
+    until `first_tokens` reads it)."""
+    slot = j.slot
+    for arr, val in zip(self.sampling, j.sampling[:3]):
+      arr[slot] = val
+    for name, arr in j.draft.arrays(1, self.max_draft).items():
       self.dp[name][slot] = arr[0]
     self.max_new[slot] = j.max_new
     self._dev = None
     if self.drafter is not None and not self.drafter.on_device:
       self.host[slot] = self.host_factory()
       self.host[slot].begin([j.prompt.tolist()])
-    self.live[slot] = True          # a request done at its first token is masked by its state meanwhile
-    self._joined.append((slot, state1.last, state1.done))
+    self.live[slot] = True
     if self.control is not None:
       self.control.join(slot, len(j.prompt) + 1)      # the prefill emits one token
 
   def first_tokens(self) -> list[tuple[int, int, bool]]:
-    """(slot, first token, done at it) of every request inserted since the last call, in one
-    transfer; a slot done at its first token is no longer live."""
+    """(slot, first token, done at it) of every request whose prompt ended since the last call, in
+    one transfer; a slot done at its first token is no longer live."""
     joined, self._joined = self._joined, []
     if not joined:
       return []
-    got = jax.device_get([(last, done) for _, last, done in joined])
-    out = [(slot, int(last[0]), bool(done[0])) for (slot, _, _), (last, done) in zip(joined, got)]
+    got = jax.device_get([(first, done) for _, first, done in joined])
+    out = [(slot, int(first[row]), bool(done[row])) for (pairs, _, _), (first, done) in zip(joined, got)
+           for slot, row in pairs]
     for slot, _, done in out:
       self.live[slot] &= not done
     return out
 
-  def _learn_masks(self, state1, dstate1) -> None:
-    if self._masks is None:
-      self._masks = (programs.slot_leaves(self.state, state1), programs.slot_leaves(self.dstate, dstate1))
-
-  def warm(self) -> None:
-    """Compile the prefill programs (every last-chunk width up to the chunk, and a full chunk), the
-    join and the rounds of every bucket and width now, so a server's first requests do not pay for
-    them, and with adaptive drafting time the round of every width (the controller's first costs).
-    No live slot changes (the join compiles on a free slot with a request done at its first token)."""
+  def warm(self, prefill_tokens: int | None = None) -> None:
+    """Compile the prefill calls (every rows bucket and piece width up to the chunk whose work is
+    within `prefill_tokens`, default the chunk per round of a call of `rounds_max` rounds, the
+    scheduler's default budget; one row at every width) and the rounds of every bucket and width
+    now, so a server's first requests do not pay for them, and with adaptive drafting time the
+    round of every width (the controller's first costs). No slot changes (the calls' rows are all
+    padding)."""
+    most = prefill_tokens or self.chunk * self.rounds_max
     longest = min(self.chunk, round_up(self.capacity - self.max_draft - 3, CHUNK_BUCKET))   # the longest prompt's chunk
-    widths = range(CHUNK_BUCKET, longest + 1, CHUNK_BUCKET) if self.chunked else [CHUNK_BUCKET]
-    lengths = list(widths) + ([self.chunk + 1] if self.chunked and self.chunk + 1 < self.capacity // 2 else [])
-    for n in lengths:
-      j = self.begin_join([0] * n, max_new=1)
-      while (out := self.prefill_step(j)) is None:
-        pass
-      jax.block_until_ready(out)
-      self._learn_masks(*out)
-    free = np.flatnonzero(~self.live)
-    if len(free):   # a request done at its first token into a free slot, which stays free: compiles the join
-      self.state, self.dstate = programs.insert_row(self.state, self.dstate, np.int32(free[0]), *out)
-      self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
+    for width in range(CHUNK_BUCKET, longest + 1, CHUNK_BUCKET):
+      for rows in self.prefill_buckets:
+        if rows == 1 or rows * width <= most:
+          self._prefill_call([], rows, width)
+    jax.block_until_ready(self.state)
     if self.control is not None:
       self.control.set_costs(self.round_costs())
       self.control.compile(self.state.history, self.state.hist_len)
@@ -273,7 +281,7 @@ class SlotEngine:
     that holds them ([b] int32), or None when that bucket is every slot."""
     live = np.flatnonzero(self.live)
     n = next(size for size in self.buckets if size >= len(live))
-    if n == self.b or self._masks is None:
+    if n == self.b:
       return None
     return np.concatenate([live, np.flatnonzero(~self.live)[:n - len(live)]]).astype(np.int32)
 

@@ -1,10 +1,10 @@
 """Continuous batching: requests join free slots between rounds and leave when they finish.
 
 One background thread owns the device and runs `Scheduler._run`: it admits waiting requests
-into free slots (chunked prefill, at most one chunk per round of the last call, so the running
-batch keeps stepping), runs one device call of rounds over the live slots, and hands each
-request its new tokens. Requests talk to it only through thread-safe queues: `submit` enqueues, `cancel` asks the
-loop to free the slot, and each request's `sink` receives events (token lists, then a final event).
+into free slots, prefills them within a budget (so the running batch keeps stepping), runs one
+device call of rounds over the live slots, and hands each request its new tokens. Requests talk
+to it only through thread-safe queues: `submit` enqueues, `cancel` asks the loop to free the
+slot, and each request's `sink` receives events (token lists, then a final event).
 A joining request's first token is read with the call's outputs (one transfer per iteration, no
 wait per join), and delivered before the tokens of its first rounds.
 
@@ -16,6 +16,14 @@ to end (at most `rounds_max` rounds); one cancelled during a call loses at most 
 tokens. The bookkeeping of a call is array arithmetic over the slots (per-slot counters, read
 into a request's usage when it ends), and an iteration's events reach each asyncio loop in one
 thread-safe call (`LoopSink`).
+
+Prefill budget: requests joining together are prefilled together, their prompt pieces stacked in
+one engine call (`SlotEngine.prefill`; a piece is at most one chunk where the drafter allows
+chunks, else the whole prompt). A call's work is the tokens its program computes, rows bucket x
+widest piece (`joining.plan`). Between two calls of rounds the scheduler runs prefill calls, the
+joining requests in arrival order, while their work stays within `prefill_budget` tokens per
+round the last call ran (default: one chunk per round); the first call of an iteration always
+runs (at least its first request), so a prompt longer than the budget still progresses.
 """
 
 from __future__ import annotations
@@ -151,7 +159,7 @@ class Scheduler:
                metrics=None, stop_ids=()):
     self.engine = engine
     self.max_queue = max_queue
-    self.prefill_budget = prefill_budget or engine.chunk   # prompt tokens prefilled per round of the last call
+    self.prefill_budget = prefill_budget or engine.chunk   # prefill work (tokens computed) per round of the last call
     self._last_rounds = 1                                  # rounds the last call ran
     self.metrics = metrics
     self.stop_ids = set(stop_ids)
@@ -250,7 +258,7 @@ class Scheduler:
     self._publish()
 
   def _next_rounds(self) -> int:
-    """One round while a prompt is being prefilled in chunks (its next chunk runs between calls);
+    """One round while requests are joining (their next prefill calls run between calls of rounds);
     while requests wait for a slot, the rounds until the first running request may end (its token
     budget at the widest draft), so that a waiting request takes its slot then; else the engine's
     most."""
@@ -283,35 +291,35 @@ class Scheduler:
     return [i for i, h in enumerate(self._slots) if h is None and i not in taken]
 
   def _admit(self) -> None:
-    """Start prefills for waiting requests while slots are free, then spend the prefill budget:
-    `prefill_budget` prompt tokens per round the last call ran, so the prefill between calls stays
-    at most one chunk per round of the running batch, as with one round per call."""
+    """Start joining for waiting requests while slots are free, then run prefill calls within the
+    budget (module docstring): `prefill_budget` tokens of work per round the last call ran."""
     free = self._free_slots()
     with self._lock:
       while free and self._waiting:
         h = self._waiting.popleft()
         h.slot = free.pop(0)
-        r = h.request
-        self._joining.append((h, self.engine.begin_join(r.prompt, temperature=r.temperature, top_k=r.top_k,
-                                                         top_p=r.top_p, seed=r.seed, max_new=r.max_tokens)))
-    budget = self.prefill_budget * self._last_rounds
-    while self._joining and budget > 0:
-      h, j = self._joining[0]
-      before = j.offset
-      done = self.engine.prefill_step(j)
-      budget -= max(j.offset - before, len(j.prompt) - before if done is not None else 0)
-      if done is not None:
-        self._joining.pop(0)
-        self._join(h, j, done)
+        self._joining.append((h, self._begin_join(h)))
+    budget, first = self.prefill_budget * self._last_rounds, True
+    while self._joining:
+      batch, work = self.engine.plan_prefill([j for _, j in self._joining], budget, force=first)
+      if not batch:
+        break
+      budget, first = budget - work, False
+      done = {id(j) for j in self.engine.prefill(batch)}    # these are in their slots now
+      for h, j in self._joining:
+        if id(j) in done:
+          self._slots[h.slot] = h
+          self._counters.reset(h.slot)
+      self._joining = [(h, j) for h, j in self._joining if id(j) not in done]
 
-  def _join(self, h: Handle, j, prefilled) -> None:
-    """Insert a prefilled request into its slot; its first token comes with the next call's outputs."""
+  def _begin_join(self, h: Handle):
+    """The engine's joining record of `h` for its slot, with its sampling and draft parameters."""
     r = h.request
     k = self.engine.max_draft
     n_max = 0 if not r.speculative else (k if r.n_max is None else min(r.n_max, k))
-    self.engine.insert(h.slot, j, prefilled, draft=DraftParams(n_max=n_max, n_min=min(r.n_min, n_max), p_min=r.p_min))
-    self._slots[h.slot] = h
-    self._counters.reset(h.slot)
+    draft = DraftParams(n_max=n_max, n_min=min(r.n_min, n_max), p_min=r.p_min)
+    return self.engine.begin_join(r.prompt, slot=h.slot, draft=draft, temperature=r.temperature, top_k=r.top_k,
+                                  top_p=r.top_p, seed=r.seed, max_new=r.max_tokens)
 
   def _first_tokens(self) -> None:
     """Deliver the first token of every request that joined this iteration (before its rounds'

@@ -1,11 +1,13 @@
 """The jitted device programs of the slot batch, and the row operations they share.
 
-A slot batch is one `GenState` of batch B plus the drafter's state; a request is prefilled into
-a private batch-1 state (`empty_cache`, `prefill_chunk`, `prefill_last`), scattered into its slot
-(`insert_row`), masked when it leaves (`finish_rows`), and advanced by `run_rounds`: up to
-`rounds_max` rounds in one `lax.while_loop` over the slots a call names (gathered into a smaller
-batch, advanced and written back). Leaves without the slot axis (a drafter's table shared by
-every sequence, a scalar) are recognised by comparing the batch-B pytree with a batch-1 one
+A slot batch is one `GenState` of batch B plus the drafter's state. Requests join by
+`prefill_rows`: the joining prompts of one call, stacked as a batch of N rows (each its own slot,
+length and position), are prefilled straight into their slots' rows (gathered, advanced, written
+back); a row whose prompt ends in the call gets its first token, its `GenState` and its drafter
+state there. Slots leave by `finish_rows` (masked), and `run_rounds` runs up to `rounds_max`
+rounds in one `lax.while_loop` over the slots a call names (gathered into a smaller batch,
+advanced and written back). Leaves without the slot axis (a drafter's table shared by every
+sequence, a scalar) are recognised by comparing the batch-B pytree with a batch-1 one
 (`slot_leaves`) and are carried whole.
 """
 
@@ -31,57 +33,75 @@ def has_slot_axis(big, small) -> bool:
   return not (big.ndim == 0 or small.ndim == 0 or small.shape[0] != 1 or big.shape[1:] != small.shape[1:])
 
 
-def scatter_row(big, small, slot):
-  """Write batch-1 leaf `small` into row `slot` of `big` (leaves without the slot axis keep the
-  running batch's value)."""
-  return big.at[slot].set(small[0]) if has_slot_axis(big, small) else big
-
-
-@functools.partial(jax.jit, donate_argnames=("state", "dstate"))
-def insert_row(state, dstate, slot, state1, dstate1):
-  """The running batch with slot `slot` replaced by a freshly prefilled request."""
-  state = jax.tree_util.tree_map(lambda b, s: scatter_row(b, s, slot), state, state1)
-  dstate = jax.tree_util.tree_map(lambda b, s: scatter_row(b, s, slot), dstate, dstate1)
-  return state, dstate
-
-
 @functools.partial(jax.jit, donate_argnames=("state",))
 def finish_rows(state, mask):
   """Mark slots done (cancelled or left): the round masks them from now on."""
   return dataclasses.replace(state, done=state.done | mask)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "dtype"))
-def empty_cache(*, cfg, capacity, dtype):
-  """A batch-1 target state of `capacity` positions (one dispatch, where building it op by op takes
-  one per layer)."""
-  return target_of(cfg).init_state(cfg, 1, capacity, dtype)
+def _per_row(flags, x):
+  """flags [N] broadcast against leaf x [N, ...]."""
+  return flags.reshape((-1,) + (1,) * (x.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def prefill_chunk(params, cache, tokens, n, *, cfg):
-  """Write one prompt chunk [1, P] (n valid tokens) into a batch-1 cache."""
-  _, _, cache = target_of(cfg).forward(params, cfg, tokens, cache, n_new=n)
-  return cache
+def gather_rows(tree, slots, mask):
+  """Rows `slots` [N] of every slot-axis leaf (an index past the last slot reads the last one: a
+  padding row, never written back); other leaves whole."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef.unflatten([jnp.take(x, slots, axis=0, mode="clip") if m else x for x, m in zip(leaves, mask)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "history_len", "capacity"))
-def prefill_last(params, dparams, cache, tokens, n, full_prompt, prompt_len, sampling, stop_ids, max_new, *,
-                 cfg, drafter, history_len, capacity):
-  """The last prompt chunk: logits at the last prompt token, the first sampled token, the batch-1
-  `GenState` (as `generation.prefill` builds it) and the drafter's state."""
+def scatter_rows(tree, slots, sub, mask):
+  """`tree` with rows `slots` [N] of its slot-axis leaves set from `sub` (an index past the last
+  slot is dropped); leaves without the slot axis keep `tree`'s value (a shared table is not reset
+  by a request joining)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef.unflatten([x.at[slots].set(y, mode="drop") if m else x
+                            for x, y, m in zip(leaves, treedef.flatten_up_to(sub), mask)])
+
+
+def _select(flags, new, old):
+  """Per row: `new`'s leaves where flags [N], else `old`'s."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(_per_row(flags, a), a, b), new, old)
+
+
+def _select_rows(flags, new, old, mask):
+  """`_select` on the slot-axis leaves (`mask`); other leaves `new`'s (`scatter_rows` ignores them)."""
+  leaves, treedef = jax.tree_util.tree_flatten(new)
+  return treedef.unflatten([jnp.where(_per_row(flags, a), a, b) if m else a
+                            for a, b, m in zip(leaves, treedef.flatten_up_to(old), mask)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "capacity", "masks"), donate_argnames=("state", "dstate"))
+def prefill_rows(params, dparams, state, dstate, rows, sampling, stop_ids, *, cfg, drafter, capacity, masks):
+  """One prefill piece of each of N joining prompts, in one pass over the N rows, written into
+  their slots. rows (`joining.PrefillRows`): slot [N] (past the last slot: padding), tokens [N, P]
+  and n [N] (the piece, right-padded), fresh [N] (the piece starts the prompt: the row's target
+  state starts empty), finish [N] (the prompt ends here), prompt [N, H] and prompt_len [N] (the
+  whole prompt), max_new [N]; sampling [N]. A finishing row gets its first sampled token, its
+  `GenState` (as `generation.prefill` builds it) and, for a device drafter, `drafter.init`'s
+  state; a row mid-prompt gets only its target state (its slot stays done, so rounds skip it).
+  Every row is computed on its own (per-row lengths and positions), so what a request gets does
+  not depend on the rows beside it. `masks`: `slot_leaves` of state, dstate.
+  -> (state, dstate, first token [N], done at it [N])."""
+  target = target_of(cfg)
+  n_rows, dtype = rows.tokens.shape[0], jax.tree_util.tree_leaves(params)[0].dtype
+  old = gather_rows(state, rows.slot, masks[0])                                    # [N] rows of GenState
+  cache = _select(rows.fresh, target.init_state(cfg, n_rows, capacity, dtype), old.cache)
   taps = drafter.taps if drafter is not None and drafter.on_device else ()
-  logits, tapped, cache = target_of(cfg).forward(params, cfg, tokens, cache, n_new=n, taps=taps, last_only=True)
+  logits, tapped, cache = target.forward(params, cfg, rows.tokens, cache, n_new=rows.n, taps=taps, last_only=True)
   keys, use = split_keys(init_keys(sampling))
-  first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [1]
-  history = jnp.zeros((1, history_len), jnp.int32).at[:, :full_prompt.shape[1]].set(full_prompt)
-  state = GenState(cache=cache, history=history, hist_len=prompt_len, prompt_len=prompt_len,
-                   last=first, keys=keys, done=jnp.zeros((1,), bool))
-  state, _ = emit(state, first[:, None], jnp.ones((1,), jnp.int32), stop_ids, max_new)
-  dstate = ()
+  first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [N]
+  history = jnp.zeros((n_rows, capacity), jnp.int32).at[:, :rows.prompt.shape[1]].set(rows.prompt)
+  joined = GenState(cache=cache, history=history, hist_len=rows.prompt_len, prompt_len=rows.prompt_len,
+                    last=first, keys=keys, done=jnp.zeros((n_rows,), bool))
+  joined, _ = emit(joined, first[:, None], jnp.ones((n_rows,), jnp.int32), stop_ids, rows.max_new)
+  state = scatter_rows(state, rows.slot, _select(rows.finish, joined, dataclasses.replace(old, cache=cache)), masks[0])
   if drafter is not None and drafter.on_device:
-    dstate = drafter.init(dparams, full_prompt, prompt_len, tapped, capacity)
-  return state, dstate
+    started = drafter.init(dparams, rows.prompt, rows.prompt_len, tapped, capacity)
+    kept = gather_rows(dstate, rows.slot, masks[1])
+    dstate = scatter_rows(dstate, rows.slot, _select_rows(rows.finish, started, kept, masks[1]), masks[1])
+  return state, dstate, joined.last, joined.done
 
 
 def slot_leaves(big, small) -> tuple[bool, ...]:

@@ -1,0 +1,98 @@
+"""Batched joining in the server (`specjax.serve.joining`, `slot_programs.prefill_rows`): requests
+that arrive together are prefilled in one program call, their prompts stacked as rows (one of
+them long enough to take two chunks, its slot mid-prompt while the others run rounds), and every
+request's tokens equal offline greedy generation of its prompt alone, for plain decoding (chunked
+prefill) and for a drafter that reads the prompt pass's features (a random MTP head, one pass);
+the prefill budget decides which requests a call takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import TINY_LLAMA, random_params
+from specjax.drafters.base import DraftParams
+from specjax.models.load import LoadedModel
+from specjax.serve.cli import build_server
+from specjax.serve.joining import make_joining, plan, prefill_buckets
+from specjax.serve.scheduler import GenRequest
+
+TINY_PARAMS = random_params(TINY_LLAMA, seed=0)
+LONG = [1 + (5 * i) % 15 for i in range(90)]       # 90 tokens: two chunks of 64
+PROMPTS = [[3, 1, 4, 1, 5], LONG, [2, 7, 1, 8], [9, 9, 8, 2, 4, 4, 3], [6, 2, 8], [1, 2, 3, 4, 5, 6]]
+MAX_NEW = [12, 20, 30, 7, 16, 25]
+
+
+@pytest.fixture(scope="module")
+def offline():
+  """Offline plain greedy generation of each prompt alone."""
+  from specjax.engine.decode import generate_plain
+  return [generate_plain(TINY_PARAMS, TINY_LLAMA, [p], max_new_tokens=n).tokens[0] for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def _counted_scheduler(speculator):
+  """A 4-slot scheduler over TINY_LLAMA (chunk 64, no stop token) whose engine records the rows of
+  every prefill call."""
+  from specjax.drafters.mtp import init_heads
+  extra = {"mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1), "n_max": 2}, None: {}}[speculator]
+  server = build_server(LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS), speculator, slots=4, capacity=128, chunk=64,
+                        rounds_per_call=4, **extra)
+  sched, calls = server.scheduler, []
+  prefill = sched.engine.prefill
+
+  def counted(joining):
+    calls.append([len(j.prompt) for j in joining])
+    return prefill(joining)
+  sched.engine.prefill = counted
+  return sched, calls
+
+
+@pytest.mark.parametrize("speculator", [None, "mtp"])
+def test_requests_arriving_together_prefill_in_one_call(offline, speculator):
+  """Four requests submitted together (one 90 tokens long) into 4 slots, two more later: the
+  first four are prefilled by one call of the batched program (plain decoding: the long prompt's
+  first chunk beside the three short prompts, its second chunk in a later call while the three
+  run rounds over every slot, its own masked; MTP: the whole prompts in one pass); the last two,
+  submitted together once two slots are free, share one call too. Every request's tokens equal
+  offline greedy generation of its prompt alone."""
+  sched, calls = _counted_scheduler(speculator)
+  chunked = sched.engine.chunked
+  assert chunked == (speculator is None)
+  sched.prefill_budget = 4 * 64 if chunked else 4 * 128     # room for the four first rows in one call
+  events = {i: [] for i in range(6)}
+  for i in range(4):
+    sched.submit(GenRequest(PROMPTS[i], max_tokens=MAX_NEW[i]), events[i].append)
+  sched._iteration()
+  assert calls == [[5, 90, 4, 7]]
+  if chunked:
+    assert sched.running() == 3 and len(sched._joining) == 1     # the long prompt is mid-prompt
+  while sched.running() > 2 or sched._joining:      # two slots free: the last two arrive together
+    sched._iteration()
+  for i in (4, 5):
+    sched.submit(GenRequest(PROMPTS[i], max_tokens=MAX_NEW[i]), events[i].append)
+  while sched.running() or sched.queue_length() or sched._joining:
+    sched._iteration()
+  assert calls[1:] == ([[90]] if chunked else []) + [[3, 6]], calls
+  for i, want in enumerate(offline):
+    tokens = sum((e.get("tokens", []) for e in events[i]), [])
+    assert tokens == want and events[i][-1]["finish_reason"] == "length", i
+  assert not sched.engine.live.any()
+
+
+def test_prefill_plan_follows_the_budget():
+  """A call takes the joining requests in arrival order while rows bucket x widest piece stays
+  within the budget; the first always (a piece past the budget still progresses), chunked pieces
+  at most one chunk."""
+  assert prefill_buckets(4) == (1, 2, 4) and prefill_buckets(6) == (1, 2, 4, 6) and prefill_buckets(1) == (1,)
+  make = lambda n: make_joining([1] * n, slot=0, draft=DraftParams(n_max=0))
+  js = [make(10), make(70), make(5), make(300)]
+  buckets = (1, 2, 4)
+  assert plan(js, 64, chunk=64, buckets=buckets, force=True) == (js[:1], 64)
+  assert plan(js, 256, chunk=64, buckets=buckets, force=True) == (js, 256)           # 4 rows x one chunk
+  assert plan(js, 256, chunk=None, buckets=buckets, force=True) == (js[:2], 256)     # one pass: 2 rows x 128
+  assert plan(js, 512, chunk=None, buckets=buckets, force=True) == (js[:3], 512)     # 4 rows x 320 is too much
+  assert plan(js[3:], 64, chunk=None, buckets=buckets, force=True) == (js[3:], 320)
+  assert plan(js[3:], 64, chunk=None, buckets=buckets, force=False) == ([], 0)
+  js[1].offset = 64
+  assert plan(js, 128, chunk=64, buckets=buckets, force=True) == (js[:2], 128)       # the rest of the 70: 6 tokens
+  assert np.all([j.slot == 0 for j in js])
