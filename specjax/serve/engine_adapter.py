@@ -1,11 +1,9 @@
-"""The slot engine: the one place (with `slot_programs`, its jitted programs) where
-`specjax.serve` touches engine internals.
+"""The slot engine: with `slot_programs` (its jitted programs), the one place where `specjax.serve`
+touches engine internals (the rest speaks only to `SlotEngine`).
 
 Continuous batching runs the engine's own round (`specjax.engine.run_round`: the device drafter's
 round, or a round with a host draft; `decode_step_counted` for plain decoding) over a fixed batch
-of B slots, and moves single requests in and out of that batch between device calls. Everything
-else in `specjax.serve` speaks only to `SlotEngine`, so when the engine's API changes, this file
-and `slot_programs.py` are the ones to change.
+of B slots, and moves single requests in and out of that batch between device calls.
 
 Slots: one `GenState` of batch B (KV cache of capacity C per slot, history of C tokens); a free
 or finished slot has `done` set, so the round masks it (it drafts nothing, commits nothing and
