@@ -148,11 +148,11 @@ def _release_pages(reader) -> None:
     mm.madvise(mmap.MADV_DONTNEED)
 
 
-def load_gguf(path: str | Path, progress: bool = True, reader=None) -> tuple[dict[str, Any], GGUFTensors]:
+def load_gguf(path: str | Path, reader=None) -> tuple[dict[str, Any], GGUFTensors]:
   """(HF-style config dict, lazy {HF tensor name: float32 array [out, in]}) of a GGUF file (pass
   an open `gguf.GGUFReader` to avoid parsing the file twice). A tensor with no place in the
-  architecture is an error that names it. `progress` is accepted for the callers' sake: the
-  tensors are read when the weights are filled."""
+  architecture is an error that names it. The tensors are read when the weights are filled
+  (`models/load.py` shows that progress)."""
   from gguf import GGUFReader
   from gguf.quants import dequantize
   reader = reader if reader is not None else GGUFReader(str(path))

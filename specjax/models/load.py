@@ -55,7 +55,7 @@ def load_model(name_or_path: str, dtype=jnp.float32, *, with_tokenizer: bool = T
     from gguf import GGUFReader
     from specjax.io.gguf import load_gguf
     reader = GGUFReader(str(path))
-    hf, tensors = load_gguf(path, progress=progress, reader=reader)
+    hf, tensors = load_gguf(path, reader=reader)
     if with_tokenizer:
       from specjax.io.tokenizer import Tokenizer
       tokenizer = Tokenizer.from_gguf(reader)
