@@ -19,7 +19,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.bench.env import device_info, environment, git_revision  # noqa: E402
 from specjax.bench.prompts import load_prompt_set  # noqa: E402
 from specjax.engine.decode import generate_plain  # noqa: E402
 from specjax.models.load import load_model  # noqa: E402
@@ -58,7 +58,8 @@ def main(argv=None):
       print(f"unroll {unroll} batch {b:4d}: {n / secs:10.1f} tok/s  ({secs / args.new_tokens * 1e3:.3f} ms/step "
             "incl. prefill)", flush=True)
   result = {"experiment": "decode_speed", "config": vars(args), "model_config": repr(model.cfg),
-            "git_revision": git_revision(), "device": device_info(), "results": rows}
+            "git_revision": git_revision(), "device": device_info(), "environment": environment(),
+            "results": rows}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -27,7 +27,7 @@ def main() -> None:
   ap.add_argument("--out", default=".data")
   args = ap.parse_args()
   from specjax.io.datasets import chats_file
-  lines = [ln for ln in chats_file("sharegpt").read_text().splitlines() if ln.strip()]
+  lines = [ln for ln in chats_file("sharegpt").read_text().split("\n") if ln.strip()]
   random.Random(args.seed).shuffle(lines)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
