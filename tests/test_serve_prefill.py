@@ -14,7 +14,7 @@ from conftest import TINY_LLAMA, random_params
 from specjax.drafters.base import DraftParams
 from specjax.models.load import LoadedModel
 from specjax.serve.cli import build_server
-from specjax.serve.joining import make_joining, plan, prefill_buckets
+from specjax.serve.joining import make_joining, piece_width, piece_widths, plan, prefill_buckets
 from specjax.serve.scheduler import GenRequest
 
 TINY_PARAMS = random_params(TINY_LLAMA, seed=0)
@@ -87,12 +87,49 @@ def test_prefill_plan_follows_the_budget():
   make = lambda n: make_joining([1] * n, slot=0, draft=DraftParams(n_max=0))
   js = [make(10), make(70), make(5), make(300)]
   buckets = (1, 2, 4)
-  assert plan(js, 64, chunk=64, buckets=buckets, force=True) == (js[:1], 64)
-  assert plan(js, 256, chunk=64, buckets=buckets, force=True) == (js, 256)           # 4 rows x one chunk
-  assert plan(js, 256, chunk=None, buckets=buckets, force=True) == (js[:2], 256)     # one pass: 2 rows x 128
-  assert plan(js, 512, chunk=None, buckets=buckets, force=True) == (js[:3], 512)     # 4 rows x 320 is too much
-  assert plan(js[3:], 64, chunk=None, buckets=buckets, force=True) == (js[3:], 320)
-  assert plan(js[3:], 64, chunk=None, buckets=buckets, force=False) == ([], 0)
+  kw = dict(buckets=buckets, grain=64, cap=512)
+  assert plan(js, 64, chunk=64, force=True, **kw) == (js[:1], 64)
+  assert plan(js, 256, chunk=64, force=True, **kw) == (js, 256)           # 4 rows x one chunk
+  assert plan(js, 256, chunk=None, force=True, **kw) == (js[:2], 256)     # one pass: 2 rows x 128
+  assert plan(js, 512, chunk=None, force=True, **kw) == (js[:3], 512)     # 4 rows x 512 is too much
+  assert plan(js[3:], 64, chunk=None, force=True, **kw) == (js[3:], 512)  # 300 tokens pad to 64 x 2^3
+  assert plan(js[3:], 64, chunk=None, force=False, **kw) == ([], 0)
   js[1].offset = 64
-  assert plan(js, 128, chunk=64, buckets=buckets, force=True) == (js[:2], 128)       # the rest of the 70: 6 tokens
+  assert plan(js, 128, chunk=64, force=True, **kw) == (js[:2], 128)       # the rest of the 70: 6 tokens
   assert np.all([j.slot == 0 for j in js])
+
+
+def test_piece_widths_are_the_widths_pieces_pad_to():
+  """Pieces pad to multiples of 64 up to the chunk, then to the chunk doubled, at most the cap;
+  `piece_widths` lists exactly the widths pieces of 1..cap tokens get (what warm-up compiles)."""
+  assert [piece_width(n, 256, 1024) for n in (1, 64, 65, 256, 257, 512, 513, 1000)] == [64, 64, 128, 256, 512, 512, 1024, 1024]
+  assert piece_width(700, 256, 640) == 704          # past the cap: its multiple of 64
+  for chunk, cap in ((64, 128), (256, 1024), (256, 960), (128, 128)):
+    assert piece_widths(chunk, cap) == sorted({piece_width(n, chunk, cap) for n in range(1, cap + 1)})
+
+
+def test_no_compilation_after_warm_up():
+  """After `warm()`, requests joining together (one-pass MTP prefill: whole prompts of 5-90 tokens,
+  several rows per call) and the rounds that follow compile nothing: the server's
+  specjax_compiles_total stays where warm-up left it (a compile mid-serving stalls every slot)."""
+  import jax
+  from specjax.serve.metrics import COMPILE_EVENT
+  sched, calls = _counted_scheduler("mtp")
+  seen = []
+  jax.monitoring.register_event_duration_secs_listener(lambda name, s, **_: seen.append(s) if name == COMPILE_EVENT else None)
+  sched.prefill_budget = 4 * 128       # the four first prompts in one call
+  sched.warm()
+  before, compiled = len(seen), sched.metrics.compiles._value.get()
+  events = {i: [] for i in range(6)}
+  for i in range(4):
+    sched.submit(GenRequest(PROMPTS[i], max_tokens=MAX_NEW[i]), events[i].append)
+  while sched.running() > 2 or sched._joining:
+    sched._iteration()
+  for i in (4, 5):
+    sched.submit(GenRequest(PROMPTS[i], max_tokens=MAX_NEW[i]), events[i].append)
+  while sched.running() or sched.queue_length() or sched._joining:
+    sched._iteration()
+  assert calls[0] == [5, 90, 4, 7] and all(events[i][-1]["finish_reason"] == "length" for i in events)
+  assert len(seen) == before, f"{len(seen) - before} compilations after warm-up"
+  assert sched.metrics.compiles._value.get() == compiled > 0
+  assert "specjax_compiles_total" in sched.metrics.render().decode()

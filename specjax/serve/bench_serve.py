@@ -162,18 +162,20 @@ def summarize(samples: list[Sample], wall: float) -> dict:
           "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
 
 
-_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls)_total(?:\{\w+="(\d+)"\})? (\S+)$', re.M)
+_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|compiles|compile_seconds)_total'
+                         r'(?:\{\w+="(\d+)"\})? (\S+)$', re.M)
+_COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls",
+                "compiles": "compiles", "compile_seconds": "compile_s"}
 
 
-async def server_counts(client) -> dict[str, dict[str, int]]:
+async def server_counts(client) -> dict[str, dict[str, float]]:
   """The server's rounds so far at each verification width ("rounds_by_width") and in each batch
-  bucket ("rounds_by_batch"), and its device calls ("device_calls": {"": n}), from its /metrics
-  ({} without them)."""
+  bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}) and XLA compilations
+  ("compiles", "compile_s": their seconds), from its /metrics ({} without them)."""
   r = await client.get("/metrics")
-  out: dict[str, dict[str, int]] = {}
-  names = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls"}
+  out: dict[str, dict[str, float]] = {}
   for name, label, n in (_COUNT_LINE.findall(r.text) if r.status_code == 200 else []):
-    out.setdefault(names[name], {})[label] = int(float(n))
+    out.setdefault(_COUNT_NAMES[name], {})[label] = float(n) if name == "compile_seconds" else int(float(n))
   return out
 
 
@@ -272,7 +274,9 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
       for key, counts in after.items():
         then = before.get(key, {})
         row[key] = {k: n - then.get(k, 0) for k, n in counts.items() if n - then.get(k, 0)}
-      row["device_calls"] = row.get("device_calls", {}).get("", 0)
+      for key in ("device_calls", "compiles", "compile_s"):     # unlabelled counters: one number each
+        row[key] = row.get(key, {}).get("", 0)
+      row["compile_s"] = round(row["compile_s"], 3)
       rows.append(row)
       on_row(row)
   return rows
@@ -314,7 +318,7 @@ def run_bench(cfg: BenchServeConfig, make_server) -> dict:
         asyncio.run(_measure(cfg.url, cfg, "url", write, pool))
         continue
       server = make_server(method)
-      server.scheduler.engine.warm()        # prefill programs and every bucket's rounds compiled before anything is timed
+      server.scheduler.warm()        # prefill programs and every bucket's rounds compiled before anything is timed
       http, url = run_in_thread(server.app())
       try:
         asyncio.run(_measure(url, cfg, method, write, pool))

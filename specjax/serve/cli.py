@@ -110,7 +110,7 @@ def cmd_serve(args) -> int:
   import uvicorn
   target, options = _load(args)
   server = _server_from_args(args, target, options, args.spec)
-  server.scheduler.engine.warm()
+  server.scheduler.warm()
   print(f"serving {target.name} ({args.spec or 'plain'}, {args.slots} slots) on http://{args.host}:{args.port}")
   uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
   return 0

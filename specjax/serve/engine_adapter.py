@@ -85,6 +85,7 @@ class SlotEngine:
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
     self.buckets = tuple(sorted({min(int(n), slots) for n in (buckets or default_buckets(slots)) if n >= 1} | {slots}))
     self.prefill_buckets = joins.prefill_buckets(slots)
+    self.width_cap = max(round_up(capacity - self.max_draft_of(drafter) - 3, CHUNK_BUCKET), CHUNK_BUCKET)
     self.rounds_max = 1 if drafter is not None and not drafter.on_device else max(1, int(rounds_per_call))
     self.rollback = rollback
     self.stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
@@ -100,7 +101,11 @@ class SlotEngine:
 
   @property
   def max_draft(self) -> int:
-    return 0 if self.drafter is None else self.drafter.max_draft
+    return self.max_draft_of(self.drafter)
+
+  @staticmethod
+  def max_draft_of(drafter) -> int:
+    return 0 if drafter is None else drafter.max_draft
 
   @property
   def chunked(self) -> bool:
@@ -156,7 +161,8 @@ class SlotEngine:
   def plan_prefill(self, joining: list[Joining], budget: int, force: bool = True) -> tuple[list[Joining], int]:
     """The joining requests the next prefill call takes within `budget` tokens of work (rows
     bucket x widest piece; `joining.plan`) -> (requests, work)."""
-    return joins.plan(joining, budget, chunk=self._piece_limit, buckets=self.prefill_buckets, force=force)
+    return joins.plan(joining, budget, chunk=self._piece_limit, buckets=self.prefill_buckets, force=force,
+                      grain=self.chunk, cap=self.width_cap)
 
   def prefill(self, joining: list[Joining]) -> list[Joining]:
     """One prefill call: the next piece of every request of `joining`, stacked as one batch and
@@ -164,7 +170,7 @@ class SlotEngine:
     their draft parameters). Nothing waits for the call: the first tokens are read with the next
     call's outputs (`first_tokens`), so the host queues the prefill and the rounds back to back."""
     limit = self._piece_limit
-    width = max(round_up(j.piece(limit), CHUNK_BUCKET) for j in joining)
+    width = max(joins.piece_width(j.piece(limit), self.chunk, self.width_cap) for j in joining)
     finished = self._prefill_call(joining, joins.rows_bucket(len(joining), self.prefill_buckets), width)
     for j in joining:
       j.offset += j.piece(limit)
@@ -217,18 +223,21 @@ class SlotEngine:
     return out
 
   def warm(self, prefill_tokens: int | None = None) -> None:
-    """Compile the prefill calls (every rows bucket and piece width up to the chunk whose work is
-    within `prefill_tokens`, default the chunk per round of a call of `rounds_max` rounds, the
-    scheduler's default budget; one row at every width) and the rounds of every bucket and width
-    now, so a server's first requests do not pay for them, and with adaptive drafting time the
-    round of every width (the controller's first costs). No slot changes (the calls' rows are all
-    padding)."""
+    """Compile now, so that no request waits for a compilation: the prefill calls (every rows
+    bucket and piece width whose work is within `prefill_tokens`, default the chunk per round of a
+    call of `rounds_max` rounds, the scheduler's default budget; one row at every width: the
+    widths up to the chunk, and past it the one-pass widths of `joining.piece_widths`), the rounds
+    of every bucket and width, freeing slots and a request's parameter checks; with adaptive
+    drafting time the round of every width (the controller's first costs). No slot changes (the
+    calls' rows are all padding, the freed mask empty)."""
     most = prefill_tokens or self.chunk * self.rounds_max
-    longest = min(self.chunk, round_up(self.capacity - self.max_draft - 3, CHUNK_BUCKET))   # the longest prompt's chunk
-    for width in range(CHUNK_BUCKET, longest + 1, CHUNK_BUCKET):
+    widths = joins.piece_widths(self.chunk, self.width_cap)
+    for width in widths if not self.chunked else [w for w in widths if w <= self.chunk]:
       for rows in self.prefill_buckets:
         if rows == 1 or rows * width <= most:
           self._prefill_call([], rows, width)
+    self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
+    joins.make_joining([0], slot=0, draft=DraftParams(n_max=0), max_new=1)
     jax.block_until_ready(self.state)
     if self.control is not None:
       self.control.set_costs(self.round_costs())

@@ -4,9 +4,11 @@ A request joining the slot batch is prefilled piece by piece into its slot's row
 (`slot_programs.prefill_rows`); the requests joining at the same time share each call, their
 pieces stacked as rows of one batch. A piece is the rest of the prompt, or at most `chunk`
 tokens where prompts are prefilled in chunks (so a long prompt does not stall the running
-slots), padded to a multiple of `CHUNK_BUCKET`; a call runs at its widest piece and at the
-smallest batch of `prefill_buckets` that holds its rows (padding rows write nothing), so few
-programs compile: one per (rows bucket, width).
+slots), padded to a multiple of `CHUNK_BUCKET` up to the chunk and, past it (whole prompts of
+drafters that prefill in one pass), to the chunk doubled until it holds the piece (`piece_width`);
+a call runs at its widest piece and at the smallest batch of `prefill_buckets` that holds its rows
+(padding rows write nothing), so few programs compile: one per (rows bucket, width), every one of
+them known in advance (`piece_widths`) so a server compiles them all before its first request.
 
 The work of a call is the tokens its program computes, rows bucket x width; a call takes the
 joining requests in arrival order while that stays within the budget it is given (`plan`).
@@ -51,6 +53,26 @@ def make_joining(prompt, *, slot: int, draft: DraftParams, temperature=0.0, top_
                  max_new=int(max_new))
 
 
+def piece_width(n: int, chunk: int, cap: int) -> int:
+  """The padded width of a prefill piece of `n` tokens: a multiple of CHUNK_BUCKET up to `chunk`,
+  beyond it `chunk` doubled until it holds the piece, at most `cap` (the widest piece a slot
+  takes; a wider one keeps its multiple of CHUNK_BUCKET)."""
+  w = round_up(max(n, 1), CHUNK_BUCKET)
+  if w <= chunk:
+    return w
+  g = chunk
+  while g < w:
+    g *= 2
+  return max(w, min(g, cap))
+
+
+def piece_widths(chunk: int, cap: int) -> list[int]:
+  """Every width `piece_width` gives for pieces of 1..cap tokens (`chunk`, `cap`: multiples of
+  CHUNK_BUCKET)."""
+  return sorted({piece_width(n, chunk, cap) for n in range(1, cap + 1, CHUNK_BUCKET)}
+                | {piece_width(cap, chunk, cap)})
+
+
 def prefill_buckets(slots: int) -> tuple[int, ...]:
   """Row counts a prefill call compiles for: powers of two below the slots, and every slot."""
   return tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots} | {slots}))
@@ -61,13 +83,14 @@ def rows_bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def plan(joining: list[Joining], budget: int, *, chunk: int | None, buckets: tuple[int, ...],
-         force: bool) -> tuple[list[Joining], int]:
+         force: bool, grain: int, cap: int) -> tuple[list[Joining], int]:
   """The requests one call prefills: the longest prefix of `joining` (arrival order) whose work,
-  rows bucket x the widest piece, stays within `budget` tokens; with `force` at least the first
-  (a piece larger than the budget still progresses). -> (requests, work of the call)."""
+  rows bucket x the widest padded piece (`piece_width(n, grain, cap)`), stays within `budget`
+  tokens; with `force` at least the first (a piece larger than the budget still progresses).
+  `chunk`: the most tokens of a piece (None: whole prompts). -> (requests, work of the call)."""
   taken, width = [], 0
   for j in joining[:buckets[-1]]:
-    w = max(width, round_up(j.piece(chunk), CHUNK_BUCKET))
+    w = max(width, piece_width(j.piece(chunk), grain, cap))
     if rows_bucket(len(taken) + 1, buckets) * w > budget and not (force and not taken):
       break
     taken.append(j)

@@ -3,7 +3,8 @@
 Updated by the model thread (rounds, first tokens, finished requests) and read by `/metrics`:
 tokens/s over a sliding window, tau (tokens emitted per slot-round), acceptance by draft
 position, rounds by verification width (adaptive drafting's choices) and by batch bucket, device
-calls, queue length and running slots.
+calls, XLA compilations in the server's process (one after warm-up stalls every slot while it
+runs), queue length and running slots.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
+
+import jax
 
 import numpy as np
 
@@ -18,6 +22,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 WINDOW_S = 10.0   # tokens/s is measured over the last WINDOW_S seconds of rounds
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # jax.monitoring's event per XLA compile
+
+_live: weakref.WeakSet = weakref.WeakSet()    # the servers whose metrics count compilations
+_listening = False
+
+
+def _on_event(name: str, seconds: float, **_) -> None:
+  if name == COMPILE_EVENT:
+    for m in list(_live):
+      m.compiled(seconds)
+
+
+def _count_compiles(metrics) -> None:
+  """Count this process's XLA compilations into `metrics` (jax.monitoring keeps listeners for the
+  process's life, so one listener serves every server)."""
+  global _listening
+  _live.add(metrics)
+  if not _listening:
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+    _listening = True
 
 
 class ServeMetrics:
@@ -33,6 +57,8 @@ class ServeMetrics:
     self.batches = Counter("specjax_rounds_at_batch", "rounds by batch bucket (the live slots gathered)",
                            ["batch"], registry=r)
     self.calls = Counter("specjax_device_calls", "device calls of rounds (one host round trip each)", registry=r)
+    self.compiles = Counter("specjax_compiles", "XLA compilations in the server's process", registry=r)
+    self.compile_seconds = Counter("specjax_compile_seconds", "seconds spent in XLA compilations", registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -54,6 +80,12 @@ class ServeMetrics:
     self._in_window = 0                                                         # their tokens
     self._emitted = self._slot_rounds = 0
     self._lock = threading.Lock()
+    _count_compiles(self)
+
+  def compiled(self, seconds: float) -> None:
+    """One XLA compilation of `seconds` in this process (any thread)."""
+    self.compiles.inc()
+    self.compile_seconds.inc(seconds)
 
   def rounds_run(self, emitted, drafted, accepted, seconds: float, width: int = 0, batch: int = 0) -> None:
     """A call of rounds at verification width `width` over a bucket of `batch` slots, `seconds`

@@ -177,6 +177,11 @@ class Scheduler:
     self._thread: threading.Thread | None = None
     self.error: BaseException | None = None
 
+  def warm(self) -> None:
+    """Compile every program serving can call (`SlotEngine.warm`), prefill calls up to the most
+    work this scheduler gives one: its budget per round times the most rounds of a call."""
+    self.engine.warm(self.prefill_budget * self.engine.rounds_max)
+
   # --- called from request handlers (any thread) ------------------------------------------------
 
   def submit(self, req: GenRequest, sink: Callable[[dict], None]) -> Handle:
