@@ -151,8 +151,10 @@ def test_gpu4b_is_gpu4_except_the_fields_it_changes():
 
 def test_every_committed_training_spec_loads():
   """Every training spec under configs/ (train_{mtp,eagle3,dflash}_*.yaml) loads with its head's load_spec: `base:` chains and YAML merge keys resolve, every field
-  is known, and no data source is an evaluation set; merge-key folders keep distinct folders."""
+  is known, and no data source is an evaluation set; merge-key folders keep distinct folders;
+  `specjax train data` reads it as the same head's spec."""
   from specjax.train import eagle3, mtp
+  from specjax.train.cli import _data_spec
   loaders = {"mtp": mtp.load_spec, "eagle3": eagle3.load_spec, "dflash": dflash.load_spec}
   loaded = 0
   for path in sorted(CONFIGS.glob("train_*.yaml")):
@@ -164,5 +166,6 @@ def test_every_committed_training_spec_loads():
         src.check()
     dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
     assert len(dirs) == len(set(dirs)), path.name
+    assert type(_data_spec(path, {})) is type(spec), path.name     # `train data` reads every head's spec
     loaded += 1
   assert loaded >= 15

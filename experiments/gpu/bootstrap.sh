@@ -3,7 +3,7 @@
 # before a command:  bash experiments/gpu/bootstrap.sh CMD ARGS...
 # The lent GPU machine has no network, so what a run needs travels with the checkout:
 #   - wheels ($WHEELS/*.whl) are installed once into $SITE (no index, no dependencies);
-#   - prompt / data files ($DATA_CARRY/*.jsonl) are copied into $SPECJAX_DATA;
+#   - prompt / data files ($DATA_CARRY/*.jsonl, and *.jsonl.gz unpacked) are copied into $SPECJAX_DATA;
 #   - weight chunks ($CHUNKS, made here with `split -b 47M -d MODEL.gguf .weights/NAME.part`, NAME =
 #     $CHUNK_NAME: `smol` for SmolLM2, else the fetch name) are gathered into $WORK/chunks over one or
 #     more calls; once MODEL's chunks (NAME.part*) join into a file whose sha256
@@ -34,6 +34,9 @@ if [ "${SMOKE:-0}" != 1 ]; then
     touch "$SITE/.installed"
   fi
   [ -d "${DATA_CARRY:-.data}" ] && cp --update=none "${DATA_CARRY:-.data}"/*.jsonl "$SPECJAX_DATA/" 2>/dev/null || true
+  for f in "${DATA_CARRY:-.data}"/*.jsonl.gz; do             # gzipped data files, unpacked once
+    if [ -f "$f" ] && [ ! -f "$SPECJAX_DATA/$(basename "$f" .gz)" ]; then gunzip -c "$f" > "$SPECJAX_DATA/$(basename "$f" .gz)"; fi
+  done
   for f in ${CHUNKS:-.weights/*.part*}; do [ -f "$f" ] && cp --update=none "$f" "$WORK/chunks/"; done
   if [ "$MODEL" = smollm2-135m-instruct ]; then CHUNK_NAME=${CHUNK_NAME:-smol}; else CHUNK_NAME=${CHUNK_NAME:-$MODEL}; fi
   if [ ! -f "$SPECJAX_HOME/.$MODEL" ] && ls "$WORK/chunks/$CHUNK_NAME".part* >/dev/null 2>&1; then

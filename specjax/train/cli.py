@@ -24,13 +24,27 @@ def _overrides(args) -> dict:
           "loss.batch_size": getattr(args, "batch_size", None)}
 
 
+def _data_spec(path, overrides):
+  """The training spec of `path`, whichever head it trains (MTP, EAGLE-3 or DFlash: the first
+  loader that accepts its keys; the MTP loader's error when none does)."""
+  import importlib
+  from specjax.bench.config import ConfigError
+  first = None
+  for kind in ("mtp", "eagle3", "dflash"):
+    try:
+      return importlib.import_module(f"specjax.train.{kind}").load_spec(path, **overrides)
+    except ConfigError as e:
+      first = first or e
+  raise first
+
+
 def cmd_data(args) -> int:
   from specjax.models.load import load_model
   from specjax.train.data import ShardDataset, build_dataset
-  from specjax.train.mtp import load_spec
-  spec = load_spec(args.config, **_overrides(args))
+  spec = _data_spec(args.config, _overrides(args))
   target = load_model(spec.target, dtype=spec.dtype)
-  for dc in (spec.data,) + (() if args.main_only else spec.extra_data):
+  held = tuple(getattr(spec, "heldout_data", ()))
+  for dc in (spec.data,) + (() if args.main_only else tuple(spec.extra_data) + held):
     out = build_dataset(target, dc, progress=not args.quiet, dtype_name=spec.dtype)
     ds = ShardDataset(out)
     print(f"{out}: {len(ds)} rows ({dc.responses} answers), {ds.n_response_tokens} answer tokens, "
