@@ -67,7 +67,9 @@ class _ChatTokens:
 def test_bench_serve_clients_in_processes(tmp_path):
   """bench-serve's levels split over client processes (clients dealt out evenly, each sending its
   own prompts; a rate split evenly) and run end to end against a tiny server from 2 processes:
-  every request answered in full, the server's device calls and rounds by bucket in each row."""
+  every request answered in full, the server's device calls and rounds by bucket in each row, no
+  compilation during a timed level (warm-up compiled everything), and the model thread's time by
+  part within the level's wall time."""
   from specjax.serve.bench_serve import BenchServeConfig, run_bench, shares
   prompts = [f"p{i}" for i in range(7)]
   split = shares(prompts, "concurrency", 3, 2)
@@ -84,4 +86,8 @@ def test_bench_serve_clients_in_processes(tmp_path):
   for r in rows:
     assert r["ok"] == r["requests"] == 5 and r["output_tokens"] == 5 * 6 and r["throughput_tok_s"] > 0
     assert 0 < r["device_calls"] <= sum(r["rounds_by_batch"].values())
+    assert r["compiles"] == 0 and r["compile_s"] == 0, r
+    parts = r["model_thread_s"]
+    assert set(parts) == {"rounds", "prefill", "host"} and parts["rounds"] > 0
+    assert sum(parts.values()) <= r["seconds"] + 1.0      # the thread's iterations straddle the level's edges
   assert json.loads((tmp_path / "b.json").read_text())["rows"][1]["concurrency"] == 3

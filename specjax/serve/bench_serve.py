@@ -162,20 +162,22 @@ def summarize(samples: list[Sample], wall: float) -> dict:
           "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
 
 
-_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|compiles|compile_seconds)_total'
-                         r'(?:\{\w+="(\d+)"\})? (\S+)$', re.M)
+_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|compiles|compile_seconds|'
+                         r'model_thread_seconds)_total(?:\{\w+="(\w+)"\})? (\S+)$', re.M)
 _COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls",
-                "compiles": "compiles", "compile_seconds": "compile_s"}
+                "compiles": "compiles", "compile_seconds": "compile_s", "model_thread_seconds": "model_thread_s"}
+_SECONDS = ("compile_seconds", "model_thread_seconds")
 
 
 async def server_counts(client) -> dict[str, dict[str, float]]:
   """The server's rounds so far at each verification width ("rounds_by_width") and in each batch
   bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}) and XLA compilations
-  ("compiles", "compile_s": their seconds), from its /metrics ({} without them)."""
+  ("compiles", "compile_s": their seconds) and its model thread's seconds by part ("model_thread_s":
+  rounds, prefill, host), from its /metrics ({} without them)."""
   r = await client.get("/metrics")
   out: dict[str, dict[str, float]] = {}
   for name, label, n in (_COUNT_LINE.findall(r.text) if r.status_code == 200 else []):
-    out.setdefault(_COUNT_NAMES[name], {})[label] = float(n) if name == "compile_seconds" else int(float(n))
+    out.setdefault(_COUNT_NAMES[name], {})[label] = float(n) if name in _SECONDS else int(float(n))
   return out
 
 
@@ -277,6 +279,7 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
       for key in ("device_calls", "compiles", "compile_s"):     # unlabelled counters: one number each
         row[key] = row.get(key, {}).get("", 0)
       row["compile_s"] = round(row["compile_s"], 3)
+      row["model_thread_s"] = {k: round(v, 3) for k, v in row.get("model_thread_s", {}).items()}
       rows.append(row)
       on_row(row)
   return rows

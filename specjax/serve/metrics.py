@@ -59,6 +59,9 @@ class ServeMetrics:
     self.calls = Counter("specjax_device_calls", "device calls of rounds (one host round trip each)", registry=r)
     self.compiles = Counter("specjax_compiles", "XLA compilations in the server's process", registry=r)
     self.compile_seconds = Counter("specjax_compile_seconds", "seconds spent in XLA compilations", registry=r)
+    self.thread_seconds = Counter("specjax_model_thread_seconds",
+                                  "the model thread's wall time by part: rounds (calls of rounds, waited for), "
+                                  "prefill (prefill calls dispatched, admissions), host (the rest)", ["part"], registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -118,6 +121,11 @@ class ServeMetrics:
       self._pos += by_pos
       for i in np.flatnonzero(by_pos[:, 0]):
         self.by_pos.labels(position=str(i)).set(self._pos[i, 1] / self._pos[i, 0])
+
+  def thread_time(self, rounds: float, prefill: float, host: float) -> None:
+    """One scheduler iteration's wall time by part."""
+    for part, s in (("rounds", rounds), ("prefill", prefill), ("host", host)):
+      self.thread_seconds.labels(part=part).inc(s)
 
   def first_token(self, seconds: float) -> None:
     self.ttft.observe(seconds)

@@ -246,9 +246,12 @@ class Scheduler:
   def _iteration(self) -> None:
     """Cancellations, then admissions (bounded prefill), then one call of rounds over the live
     slots; the iteration's events are published together at its end."""
+    t_start = time.perf_counter()
     self._apply_cancellations()
+    t_admit = time.perf_counter()
     self._admit()
-    out = None
+    t0 = time.perf_counter()
+    out, seconds = None, 0.0
     if self.running():
       rounds = self._next_rounds()
       t0 = time.perf_counter()
@@ -258,9 +261,11 @@ class Scheduler:
     self._first_tokens()
     if out is not None:
       self._dispatch(out, seconds)
+    self._publish()
     if self.metrics is not None:
       self.metrics.set_load(len(self._waiting), self.running())
-    self._publish()
+      prefill = t0 - t_admit
+      self.metrics.thread_time(seconds, prefill, time.perf_counter() - t_start - seconds - prefill)
 
   def _next_rounds(self) -> int:
     """One round while requests are joining (their next prefill calls run between calls of rounds);
