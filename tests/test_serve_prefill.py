@@ -100,12 +100,12 @@ def test_prefill_plan_follows_the_budget():
 
 
 def test_piece_widths_are_the_widths_pieces_pad_to():
-  """Pieces pad to multiples of 64 up to the chunk, then to the chunk doubled, at most the cap;
-  `piece_widths` lists exactly the widths pieces of 1..cap tokens get (what warm-up compiles)."""
+  """Pieces pad to multiples of 64 up to the chunk, then to the chunk doubled, never past the slot's
+  capacity; `piece_widths` lists the widths pieces of 1..capacity tokens get (what warm-up compiles)."""
   assert [piece_width(n, 256, 1024) for n in (1, 64, 65, 256, 257, 512, 513, 1000)] == [64, 64, 128, 256, 512, 512, 1024, 1024]
-  assert piece_width(700, 256, 640) == 704          # past the cap: its multiple of 64
-  for chunk, cap in ((64, 128), (256, 1024), (256, 960), (128, 128)):
-    assert piece_widths(chunk, cap) == sorted({piece_width(n, chunk, cap) for n in range(1, cap + 1)})
+  assert piece_width(600, 256, 700) == 700 and piece_width(150, 64, 200) == 200   # never wider than the slot
+  assert piece_widths(256, 1024) == [64, 128, 192, 256, 512, 1024]
+  assert piece_widths(64, 200) == [64, 128, 200] and piece_widths(256, 200) == [64, 128, 192, 200]
 
 
 def test_no_compilation_after_warm_up():
@@ -133,3 +133,19 @@ def test_no_compilation_after_warm_up():
   assert len(seen) == before, f"{len(seen) - before} compilations after warm-up"
   assert sched.metrics.compiles._value.get() == compiled > 0
   assert "specjax_compiles_total" in sched.metrics.render().decode()
+
+
+def test_one_pass_prompt_near_a_capacity_off_the_64_grid():
+  """A slot capacity that is no multiple of 64 (200) and a 150-token prompt prefilled in one pass
+  (random-head MTP): the piece pads to the capacity, not past it, and the request's tokens equal
+  offline greedy generation."""
+  from specjax.drafters.mtp import init_heads
+  from specjax.engine.decode import generate_plain
+  server = build_server(LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS), "mtp", slots=2, capacity=200, chunk=64,
+                        rounds_per_call=4, head=init_heads(TINY_LLAMA, 2, seed=1), n_max=2)
+  sched, prompt, events = server.scheduler, LONG + LONG[:60], []
+  sched.submit(GenRequest(prompt, max_tokens=20), events.append)
+  while sched.running() or sched.queue_length() or sched._joining:
+    sched._iteration()
+  assert sum((e.get("tokens", []) for e in events), []) == list(generate_plain(TINY_PARAMS, TINY_LLAMA, [prompt],
+                                                                                   max_new_tokens=20).tokens[0])

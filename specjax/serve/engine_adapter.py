@@ -85,7 +85,7 @@ class SlotEngine:
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
     self.buckets = tuple(sorted({min(int(n), slots) for n in (buckets or default_buckets(slots)) if n >= 1} | {slots}))
     self.prefill_buckets = joins.prefill_buckets(slots)
-    self.width_cap = max(round_up(capacity - self.max_draft_of(drafter) - 3, CHUNK_BUCKET), CHUNK_BUCKET)
+    self.width_cap = capacity           # the widest prefill piece: a slot's cache and history rows
     self.rounds_max = 1 if drafter is not None and not drafter.on_device else max(1, int(rounds_per_call))
     self.rollback = rollback
     self.stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
@@ -101,11 +101,7 @@ class SlotEngine:
 
   @property
   def max_draft(self) -> int:
-    return self.max_draft_of(self.drafter)
-
-  @staticmethod
-  def max_draft_of(drafter) -> int:
-    return 0 if drafter is None else drafter.max_draft
+    return 0 if self.drafter is None else self.drafter.max_draft
 
   @property
   def chunked(self) -> bool:

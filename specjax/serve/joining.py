@@ -54,23 +54,21 @@ def make_joining(prompt, *, slot: int, draft: DraftParams, temperature=0.0, top_
 
 
 def piece_width(n: int, chunk: int, cap: int) -> int:
-  """The padded width of a prefill piece of `n` tokens: a multiple of CHUNK_BUCKET up to `chunk`,
-  beyond it `chunk` doubled until it holds the piece, at most `cap` (the widest piece a slot
-  takes; a wider one keeps its multiple of CHUNK_BUCKET)."""
+  """The padded width of a prefill piece of `n` tokens (n <= cap): a multiple of CHUNK_BUCKET up to
+  `chunk`, beyond it `chunk` doubled until it holds the piece; at most `cap` (the slot's capacity:
+  a piece is written into the slot's cache and history rows)."""
   w = round_up(max(n, 1), CHUNK_BUCKET)
-  if w <= chunk:
-    return w
-  g = chunk
-  while g < w:
-    g *= 2
-  return max(w, min(g, cap))
+  if w > chunk:
+    g = chunk
+    while g < w:
+      g *= 2
+    w = g
+  return min(w, cap)
 
 
 def piece_widths(chunk: int, cap: int) -> list[int]:
-  """Every width `piece_width` gives for pieces of 1..cap tokens (`chunk`, `cap`: multiples of
-  CHUNK_BUCKET)."""
-  return sorted({piece_width(n, chunk, cap) for n in range(1, cap + 1, CHUNK_BUCKET)}
-                | {piece_width(cap, chunk, cap)})
+  """Every width `piece_width` gives for pieces of 1..cap tokens."""
+  return sorted({piece_width(n, chunk, cap) for n in range(1, cap + 1)})
 
 
 def prefill_buckets(slots: int) -> tuple[int, ...]:
