@@ -62,7 +62,7 @@ PY
     else
       echo "[train] no export yet (stopped early: call again to resume)"
     fi
-    for f in metrics.jsonl training_curve.png summary.json; do [ -f "$OUTDIR/$f" ] && cp "$OUTDIR/$f" "$OUT/"; done
+    for f in metrics.jsonl training_curve.png summary.json heldout.jsonl; do [ -f "$OUTDIR/$f" ] && cp "$OUTDIR/$f" "$OUT/"; done
     for f in "$OUT"/*.safetensors; do
       [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 15728640 ] && split -b 15M -d "$f" "$f.part" && rm "$f"
     done

@@ -41,6 +41,8 @@ from specjax.train.loop import TrainConfig
 from specjax.train.mtp import _cast, _shift_left, _shift_right
 from specjax.train.shards import batch_loss_mask
 
+EVAL_ROWS = 256          # held-out rows scored every train.eval_every steps
+
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3HeadConfig:
@@ -327,13 +329,25 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
           f"head of {_tree_size(hp) / 1e6:.2f}M params; {tc.steps} steps of {bs} x "
           f"{min(spec.loss.max_len or ds.width, ds.width)} tokens, {spec.loss.n_steps} TTT steps ({spec.dtype})",
           flush=True)
-  res = train(loss_fn, hp, frozen, get_batch, tc, out, resume=resume, progress=progress, stop_at=stop_at)
+  evaluate = None
+  if spec.heldout_data and tc.eval_every:    # held-out rows scored while training (over-fitting shows early)
+    held = ShardDataset([dc.dir for dc in spec.heldout_data])
+    rows = np.arange(min(len(held), EVAL_ROWS))
+    evaluate = lambda p: score_rows(loss_fn, p, frozen, held, rows, bs)
+  res = train(loss_fn, hp, frozen, get_batch, tc, out, resume=resume, progress=progress, stop_at=stop_at,
+              evaluate=evaluate)
+  if tc.keep_best and res.best is not None and res.best["params"] is not None and res.step == tc.steps:
+    if progress:
+      print(f"[train eagle3] exporting the step-{res.best['step']} head (held-out acc_0 "
+            f"{res.best['metrics'].get('acc_0')}; the last step's is in the checkpoints)", flush=True)
+    res = dataclasses.replace(res, params=jax.tree_util.tree_map(jnp.asarray, res.best["params"]))
   summary = {"name": spec.name, "target": spec.target, "dtype": spec.dtype, "steps": res.step,
              "final_metrics": res.metrics, "seconds_this_run": round(res.seconds, 1),
              "data_seconds": round(data_s, 1), "resumed_from": res.resumed_from,
              "dataset": {"dirs": [dc.dir for dc in dcs], "rows": len(ds), "response_tokens": ds.n_response_tokens,
                          "build_seconds": built},
              "draft_vocab": len(d2t), "head_params": _tree_size(hp), "init_from": start,
+             "exported_step": res.best["step"] if tc.keep_best and res.best is not None else res.step,
              "config": dataclasses.asdict(spec),
              "git_revision": git_revision(), "device": device_info(), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
   if spec.export and res.step == tc.steps:

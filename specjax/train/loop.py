@@ -8,7 +8,10 @@ What a head brings: its trainable parameters (a pytree, float32 master copy), a 
 
 The loop owns everything else: AdamW with global-norm clipping and a warmup-cosine schedule, one
 jitted step (params and optimizer state donated), orbax checkpoints every `ckpt_every` steps with
-resume from the newest, metrics as JSON lines, and a tqdm bar. Batches are a function of the step
+resume from the newest, metrics as JSON lines, held-out metrics every `eval_every` steps where the
+head passes an `evaluate` function (their own JSON lines, `heldout.jsonl`; with `keep_best` the
+parameters of the best held-out first-step accuracy come back beside the last), and a tqdm bar.
+Batches are a function of the step
 index (not an iterator's position), so a resumed run sees exactly the batches an uninterrupted
 run would have seen, and ends with the same parameters.
 
@@ -50,6 +53,8 @@ class TrainConfig:
   log_every: int = 10
   ckpt_every: int = 100
   keep_ckpts: int = 2
+  eval_every: int = 0                # held-out metrics every this many steps (0: none; needs `evaluate`)
+  keep_best: bool = False            # return the parameters with the best held-out acc_0 as `best`
 
   @staticmethod
   def from_dict(d: dict) -> "TrainConfig":
@@ -150,6 +155,7 @@ class TrainResult:
   metrics: dict                      # the last logged metrics
   seconds: float                     # wall time of this call
   resumed_from: int | None
+  best: dict | None = None           # keep_best: {"step", "metrics", "params" (host copy)} of this call's evaluations
 
 
 def _host(metrics: dict) -> dict:
@@ -165,10 +171,13 @@ def _event_writer(folder: Path, log_name: str):
 
 def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], tc: TrainConfig,
           out_dir: str | Path, *, resume: bool = True, stop_at: int | None = None,
-          progress: bool = True, log_name: str = "metrics.jsonl", mesh=None) -> TrainResult:
+          progress: bool = True, log_name: str = "metrics.jsonl", mesh=None,
+          evaluate: Callable[[Any], dict] | None = None) -> TrainResult:
   """Train `params` for `tc.steps` steps (or until `stop_at`, for a deliberately interrupted run),
   checkpointing to `out_dir/checkpoints` and logging to `out_dir/metrics.jsonl` (and TensorBoard
-  event files under `out_dir/tensorboard`). With `resume`,
+  event files under `out_dir/tensorboard`). `evaluate(params) -> {metric: number}` (held-out rows)
+  runs every `tc.eval_every` steps and at the end, logged to `out_dir/heldout.jsonl` and TensorBoard
+  (`heldout/...`). With `resume`,
   continue from the newest checkpoint there. `mesh` (a spec such as "data=2,model=2", or a Mesh):
   data-parallel training over it (`place_for_training`)."""
   from tqdm.auto import tqdm
@@ -187,12 +196,14 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
     state = ckpts.restore(start, {"params": params, "opt_state": opt_state}, sharded=mesh is not None)
     params, opt_state = state["params"], state["opt_state"]
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
-  log_path = out / log_name
-  if start == 0 and log_path.exists():
-    log_path.unlink()
-  elif log_path.exists():   # drop lines past the checkpoint (logged by a run that went on after it)
-    lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-    log_path.write_text("".join(ln + "\n" for ln in lines))
+  log_path, held_path = out / log_name, out / "heldout.jsonl"
+  for path in (log_path, held_path):
+    if start == 0 and path.exists():
+      path.unlink()
+    elif path.exists():   # drop lines past the checkpoint (logged by a run that went on after it)
+      lines = [ln for ln in path.read_text().split("\n") if ln and json.loads(ln)["step"] <= start]
+      path.write_text("".join(ln + "\n" for ln in lines))
+  best = None
   last: dict = {}
   t0 = time.perf_counter()
   bar = tqdm(total=tc.steps, initial=start, disable=not progress, desc="train", dynamic_ncols=True)
@@ -219,11 +230,27 @@ def train(loss_fn: Callable, params, frozen, get_batch: Callable[[int], dict], t
       bar.update(1)
       if done % tc.ckpt_every == 0 or done == end:
         ckpts.save(done, {"params": params, "opt_state": opt_state})
+      if evaluate is not None and tc.eval_every and (done % tc.eval_every == 0 or done == end):
+        best = _evaluated(evaluate, params, done, held_path, board, best, tc.keep_best)
   bar.close()
   board.close()
   ckpts.close()
   return TrainResult(params=params, step=end, metrics=last, seconds=time.perf_counter() - t0,
-                     resumed_from=resumed)
+                     resumed_from=resumed, best=best)
+
+
+def _evaluated(evaluate, params, step: int, path: Path, board, best, keep: bool):
+  """Held-out metrics of `params` at `step`, logged; -> the best evaluation so far by acc_0 (with a
+  host copy of its parameters when `keep`)."""
+  m = {k: float(v) for k, v in evaluate(params).items()}
+  with open(path, "a") as f:
+    f.write(json.dumps({"step": step, **m}) + "\n")
+  for k, v in m.items():
+    board.add_scalar(f"heldout/{k}", v, step)
+  board.flush()
+  if best is None or m.get("acc_0", 0.0) > best["metrics"].get("acc_0", 0.0):
+    best = {"step": step, "metrics": m, "params": jax.device_get(params) if keep else None}
+  return best
 
 
 def place_for_training(params, frozen, mesh):
@@ -248,19 +275,25 @@ def batch_on(batch: dict, mesh) -> dict:
 
 
 def plot_metrics(jsonl: str | Path, out_png: str | Path, title: str = "") -> Path:
-  """Training curves from a metrics.jsonl: every `loss*` and every `acc*` metric against the step."""
+  """Training curves from a metrics.jsonl: every `loss*` and every `acc*` metric against the step,
+  and the held-out loss_0 / acc_0 of heldout.jsonl beside it where training evaluated them."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = [json.loads(ln) for ln in Path(jsonl).read_text().splitlines() if ln.strip()]
   steps = np.asarray([r["step"] for r in rows])
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  held_path = Path(jsonl).with_name("heldout.jsonl")      # held-out evaluations during training, if any
+  held = [json.loads(ln) for ln in held_path.read_text().split("\n") if ln.strip()] if held_path.exists() else []
   for ax, prefix in zip(axes, ("loss", "acc")):
     for key in sorted(k for k in rows[-1] if k.startswith(prefix)):
       ys = np.asarray([r.get(key, np.nan) for r in rows], float)
       win = max(1, len(ys) // 50)
       smooth = np.convolve(ys, np.ones(win) / win, mode="valid")
       ax.plot(steps[win - 1:], smooth, label=key, lw=1.2)
+    if held and f"{prefix}_0" in held[-1]:
+      ax.plot([h["step"] for h in held], [h[f"{prefix}_0"] for h in held], "ko--", ms=4, lw=1,
+              label=f"held-out {prefix}_0")
     ax.set(xlabel="step", title=f"{prefix} (moving average)")
     ax.legend(fontsize=8)
   axes[2].plot(steps, [r["lr"] for r in rows], color="k", lw=1)
