@@ -97,9 +97,9 @@ def method_kwargs(name: str, mtp_head) -> dict:
   raise SystemExit(f"unknown method {name!r} (plain, ngram_simple, mtp)")
 
 
-def random_target(cfg: ModelConfig, label: str, seed: int = 0) -> LoadedModel:
+def random_target(cfg: ModelConfig, label: str, seed: int = 0, dtype=jnp.bfloat16) -> LoadedModel:
   from specjax.models.decoder import init_params
-  return LoadedModel(name=label, cfg=cfg, params=init_params(cfg, seed=seed, dtype=jnp.bfloat16))
+  return LoadedModel(name=label, cfg=cfg, params=init_params(cfg, seed=seed, dtype=dtype))
 
 
 def equality(got: list[list[int]], ref: list[list[int]]) -> dict:

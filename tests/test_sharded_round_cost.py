@@ -1,0 +1,50 @@
+"""experiments/sharded_round_cost.py --tiny: the GPU script's dry run on 8 simulated CPU devices.
+
+One subprocess (the device-count flag must be set before jax starts): a tiny float32 target on one
+device and on data=1,model=2, batch 1 and 2, plain decoding, EAGLE-3 chains at K = 1, 2 and an
+eagle3_tree of 4 nodes (16 programs; XLA's CPU backend at optimization level 0 compiles them in
+about half the time, and the numbers are not looked at, only their presence and signs). Checked:
+a row per (mesh, batch, method) with positive ms and rounds, chain rounds emitting at least a token
+each, the ratio to the plain step filled in, the summary printed and the PNG drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "sharded_round_cost.py"
+
+
+def test_tiny_sharded_round_cost_has_every_row_and_the_plot(tmp_path):
+  out = tmp_path / "round_cost.json"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+  r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--model-sizes", "1", "2", "--batches", "1", "2",
+                      "--k", "1", "2", "--tree-nodes", "4", "--new-tokens", "8", "--prompt-len", "8",
+                      "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-4000:]
+  got = json.loads(out.read_text())
+  assert got["device"]["n_devices"] == 8 and got["git_revision"] == "test"
+  assert got["skipped"] == [], got["skipped"]
+  keys = {(row["mesh"], row["batch"], row["method"], row["width"]) for row in got["rows"]}
+  want = {(mesh, b, method, w) for mesh in ("one device", "data=1,model=2") for b in (1, 2)
+          for method, w in (("plain", None), ("eagle3", 1), ("eagle3", 2), ("eagle3_tree", 4))}
+  assert keys == want and len(got["rows"]) == len(want)
+  for row in got["rows"]:
+    assert row["ms_per_round"] > 0 and row["rounds"] > 0 and row["seconds"] > 0, row
+    assert row["tokens"] == 8 * row["batch"], row                       # no stop tokens: every token generated
+    if row["method"] == "plain":
+      assert row["rounds"] == 7 and row["ratio_to_plain"] is None      # the prefill sampled the first token
+    else:
+      assert row["ratio_to_plain"] > 0, row
+    if row["method"] == "eagle3":
+      assert 1.0 <= row["tau"] <= row["width"] + 1, row                # a round emits 1 .. K + 1 tokens
+      assert row["rounds"] * row["batch"] * (row["width"] + 1) >= row["tokens"] - row["batch"], row
+  assert "ms per plain step / verification round" in r.stdout and "eagle3_tree N=4" in r.stdout
+  png = out.with_suffix(".png")
+  assert png.exists() and png.stat().st_size > 10_000
