@@ -27,6 +27,11 @@ class SamplingParams:
   @staticmethod
   def make(batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":
     """Broadcast scalars or per-sequence lists to [B] arrays; check their ranges."""
+    return SamplingParams(*map(jnp.asarray, SamplingParams.host(batch, temperature, top_k, top_p, seed)))
+
+  @staticmethod
+  def host(batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> tuple[np.ndarray, ...]:
+    """`make`'s checked [B] arrays on the host: (temperature f32, top_k i32, top_p f32, seed u32)."""
     def arr(x, dt, name):
       a = np.asarray(x, dt)
       if a.size not in (1, batch):
@@ -42,7 +47,7 @@ class SamplingParams:
       raise UserError(f"top_p must be in (0, 1], got {p}")
     if batch > 1 and np.ndim(seed) == 0:
       s = s + np.arange(batch)   # distinct streams per sequence unless seeds are given per sequence
-    return SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(s.astype(np.uint32)))
+    return t, k, p, s.astype(np.uint32)
 
   @property
   def greedy(self) -> jax.Array:

@@ -223,7 +223,7 @@ class SlotEngine:
     bucket and piece width whose work is within `prefill_tokens`, default the chunk per round of a
     call of `rounds_max` rounds, the scheduler's default budget; one row at every width: the
     widths up to the chunk, and past it the one-pass widths of `joining.piece_widths`), the rounds
-    of every bucket and width, freeing slots and a request's parameter checks; with adaptive
+    of every bucket and width and freeing slots; with adaptive
     drafting time the round of every width (the controller's first costs). No slot changes (the
     calls' rows are all padding, the freed mask empty)."""
     most = prefill_tokens or self.chunk * self.rounds_max
@@ -233,7 +233,6 @@ class SlotEngine:
         if rows == 1 or rows * width <= most:
           self._prefill_call([], rows, width)
     self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
-    joins.make_joining([0], slot=0, draft=DraftParams(n_max=0), max_new=1)
     jax.block_until_ready(self.state)
     if self.control is not None:
       self.control.set_costs(self.round_costs())

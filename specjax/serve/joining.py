@@ -46,9 +46,9 @@ class Joining:
 
 def make_joining(prompt, *, slot: int, draft: DraftParams, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                  max_new=16) -> Joining:
-  """A request's joining record (its sampling parameters checked as `SamplingParams.make` checks them)."""
-  SamplingParams.make(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-  sampling = (np.float32(temperature), np.int32(top_k), np.float32(top_p), np.int64(seed).astype(np.uint32))
+  """A request's joining record (its sampling parameters checked on the host, as `SamplingParams.make`
+  checks them)."""
+  sampling = tuple(a[0] for a in SamplingParams.host(1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
   return Joining(prompt=np.asarray(prompt, np.int32), slot=int(slot), draft=draft, sampling=sampling,
                  max_new=int(max_new))
 

@@ -253,9 +253,7 @@ class Scheduler:
     t0 = time.perf_counter()
     out, seconds = None, 0.0
     if self.running():
-      rounds = self._next_rounds()
-      t0 = time.perf_counter()
-      out = self.engine.step(rounds)
+      out = self.engine.step(self._next_rounds())
       seconds = time.perf_counter() - t0
       self._last_rounds = max(1, out.rounds)
     self._first_tokens()

@@ -51,23 +51,20 @@ def gather_rows(tree, slots, mask):
   return treedef.unflatten([jnp.take(x, slots, axis=0, mode="clip") if m else x for x, m in zip(leaves, mask)])
 
 
-def scatter_rows(tree, slots, sub, mask):
+def scatter_rows(tree, slots, sub, mask, *, shared_from_sub: bool = False):
   """`tree` with rows `slots` [N] of its slot-axis leaves set from `sub` (an index past the last
-  slot is dropped); leaves without the slot axis keep `tree`'s value (a shared table is not reset
-  by a request joining)."""
+  slot is dropped). Leaves without the slot axis keep `tree`'s value (a shared table is not reset by
+  a request joining), or take `sub`'s with `shared_from_sub` (rounds over a bucket advanced them)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef.unflatten([x.at[slots].set(y, mode="drop") if m else x
+  return treedef.unflatten([x.at[slots].set(y, mode="drop") if m else (y if shared_from_sub else x)
                             for x, y, m in zip(leaves, treedef.flatten_up_to(sub), mask)])
 
 
-def _select(flags, new, old):
-  """Per row: `new`'s leaves where flags [N], else `old`'s."""
-  return jax.tree_util.tree_map(lambda a, b: jnp.where(_per_row(flags, a), a, b), new, old)
-
-
-def _select_rows(flags, new, old, mask):
-  """`_select` on the slot-axis leaves (`mask`); other leaves `new`'s (`scatter_rows` ignores them)."""
+def _select(flags, new, old, mask=None):
+  """Per row: `new`'s leaves where flags [N], else `old`'s; with `mask` (`slot_leaves`) only on the
+  slot-axis leaves, the others `new`'s (`scatter_rows` ignores them)."""
   leaves, treedef = jax.tree_util.tree_flatten(new)
+  mask = mask if mask is not None else (True,) * len(leaves)
   return treedef.unflatten([jnp.where(_per_row(flags, a), a, b) if m else a
                             for a, b, m in zip(leaves, treedef.flatten_up_to(old), mask)])
 
@@ -100,26 +97,13 @@ def prefill_rows(params, dparams, state, dstate, rows, sampling, stop_ids, *, cf
   if drafter is not None and drafter.on_device:
     started = drafter.init(dparams, rows.prompt, rows.prompt_len, tapped, capacity)
     kept = gather_rows(dstate, rows.slot, masks[1])
-    dstate = scatter_rows(dstate, rows.slot, _select_rows(rows.finish, started, kept, masks[1]), masks[1])
+    dstate = scatter_rows(dstate, rows.slot, _select(rows.finish, started, kept, masks[1]), masks[1])
   return state, dstate, joined.last, joined.done
 
 
 def slot_leaves(big, small) -> tuple[bool, ...]:
   """`has_slot_axis` of every leaf of the batch-B pytree `big` against the batch-1 `small`."""
   return tuple(has_slot_axis(x, y) for x, y in zip(jax.tree_util.tree_leaves(big), jax.tree_util.tree_leaves(small)))
-
-
-def take_rows(tree, rows, mask):
-  """The rows `rows` [b] of every slot-axis leaf of `tree` (`mask`: `slot_leaves`); other leaves whole."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef.unflatten([x[rows] if m else x for x, m in zip(leaves, mask)])
-
-
-def put_rows(tree, rows, sub, mask):
-  """`tree` with the rows `rows` of its slot-axis leaves replaced by `sub`'s (other leaves: `sub`'s)."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef.unflatten([x.at[rows].set(y) if m else y
-                            for x, y, m in zip(leaves, treedef.flatten_up_to(sub), mask)])
 
 
 def new_tokens(state_before_len, state, width):
@@ -158,7 +142,7 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   tokens verified, accepted, per round), done [b], rounds run)."""
   full_state, full_dstate = state, dstate
   if rows is not None:
-    state, dstate = take_rows(state, rows, masks[0]), take_rows(dstate, rows, masks[1])
+    state, dstate = gather_rows(state, rows, masks[0]), gather_rows(dstate, rows, masks[1])
     sampling, dp, max_new, draft_tokens, draft_lengths = jax.tree_util.tree_map(
         lambda x: x[rows], (sampling, dp, max_new, draft_tokens, draft_lengths))
   host = None if draft_tokens is None else Draft(tokens=draft_tokens, lengths=draft_lengths)
@@ -176,5 +160,6 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   ran, state, dstate, counts = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body, start)
   new, done = new_tokens(before, state, rounds_max * (width + 1)), state.done
   if rows is not None:
-    state, dstate = put_rows(full_state, rows, state, masks[0]), put_rows(full_dstate, rows, dstate, masks[1])
+    state = scatter_rows(full_state, rows, state, masks[0], shared_from_sub=True)
+    dstate = scatter_rows(full_dstate, rows, dstate, masks[1], shared_from_sub=True)
   return state, dstate, new, counts, done, ran
