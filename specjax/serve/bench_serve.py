@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -258,7 +259,10 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
       async def warm(p):
         async with limit:
           return await _request(client, p, cfg, fields, max_tokens=WARMUP_TOKENS)
+      t0 = time.perf_counter()
       await asyncio.gather(*(warm(p) for p in distinct))
+      print(f"[bench-serve] {method_name(method)}: {len(distinct)} distinct prompts sent once in "
+            f"{time.perf_counter() - t0:.1f} s (untimed)", file=sys.stderr, flush=True)
     for kind, level in levels:
       prompts = prompts_of(cfg.dataset, cfg.requests_at(kind, level), cfg.seed)
       before = await server_counts(client)
@@ -320,8 +324,12 @@ def run_bench(cfg: BenchServeConfig, make_server) -> dict:
       if cfg.url:
         asyncio.run(_measure(cfg.url, cfg, "url", write, pool))
         continue
+      t0 = time.perf_counter()
       server = make_server(method)
+      t1 = time.perf_counter()
       server.scheduler.warm()        # prefill programs and every bucket's rounds compiled before anything is timed
+      print(f"[bench-serve] {method_name(method)}: server built in {t1 - t0:.1f} s, warm-up compiled in "
+            f"{time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
       http, url = run_in_thread(server.app())
       try:
         asyncio.run(_measure(url, cfg, method, write, pool))
