@@ -3,7 +3,7 @@
   python experiments/bench_decode.py --model smollm2-135m-instruct --dtype bfloat16 \
       --batch 1 8 64 --new-tokens 256 --out experiments/results/decode_smollm2_h100.json
 
-Prompts are MT-bench first turns (chat template) from ../shared/data; every sequence generates
+Prompts are MT-bench first turns (chat template, `specjax.bench.prompts`); every sequence generates
 exactly --new-tokens tokens (stop tokens ignored) so tokens/s compares like with like. Compile
 and a warm-up run are excluded; the median of --repeats timed runs is reported.
 """
@@ -34,7 +34,7 @@ def main(argv=None):
   ap.add_argument("--capacity", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--unroll", type=int, nargs="+", default=[1], help="decode steps per loop iteration")
-  ap.add_argument("--prompts", default=None, help="prompt file (default: MT-bench in ../shared/data)")
+  ap.add_argument("--prompts", default=None, help="prompt file (default: MT-bench, fetched like the models)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
 

@@ -135,6 +135,37 @@ def test_no_compilation_after_warm_up():
   assert "specjax_compiles_total" in sched.metrics.render().decode()
 
 
+@pytest.mark.parametrize("speculator", ["mtp", "suffix"])
+def test_warm_up_compiles_every_program_ahead(monkeypatch, speculator):
+  """`warm` compiles its prefill and round programs in worker threads first (`compile_ahead`,
+  two at a time here); the calls that follow find them compiled: the only XLA compilation after
+  `compile_ahead` is the program that frees slots. A device drafter with one-pass prefill (MTP)
+  and a host drafter (suffix: a verification program per draft width)."""
+  import jax
+  from specjax.serve import engine_adapter
+  from specjax.serve.metrics import COMPILE_EVENT
+  from specjax.drafters.mtp import init_heads
+  extra = {"mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1), "n_max": 2}, None: {}, "suffix": {"n_max": 4}}[speculator]
+  server = build_server(LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS), speculator, slots=4, capacity=128, chunk=64,
+                        rounds_per_call=4, **extra)
+  engine = server.scheduler.engine
+  engine.compile_threads = 2
+  jax.clear_caches()                   # programs other tests compiled count here too
+  seen, ahead = [], {}
+  jax.monitoring.register_event_duration_secs_listener(lambda name, s, **_: seen.append(s) if name == COMPILE_EVENT else None)
+  compile_ahead = engine_adapter.compile_ahead
+
+  def counted(lowerings, threads):
+    before = len(seen)
+    compile_ahead(lowerings, threads)
+    ahead.update(programs=len(lowerings), compiled=len(seen) - before, end=len(seen))
+  monkeypatch.setattr(engine_adapter, "compile_ahead", counted)
+  server.scheduler.warm()
+  rounds = len(engine._widths()) * len(engine.buckets)
+  assert ahead["programs"] > rounds and ahead["compiled"] >= ahead["programs"]
+  assert len(seen) - ahead["end"] <= 1, f"{len(seen) - ahead['end']} compilations after compile_ahead"
+
+
 def test_one_pass_prompt_near_a_capacity_off_the_64_grid():
   """A slot capacity that is no multiple of 64 (200) and a 150-token prompt prefilled in one pass
   (random-head MTP): the piece pads to the capacity, not past it, and the request's tokens equal

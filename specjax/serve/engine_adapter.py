@@ -28,7 +28,10 @@ drafters) and a round that verifies no draft, but keeps the drafter's state curr
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,21 @@ from specjax.serve import joining as joins
 from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
+
+
+def compile_ahead(lowerings: list, threads: int | None = None) -> None:
+  """Compile the programs of `lowerings` (callables returning a `jax.stages.Lowered`) `threads` at
+  a time: each is traced here, in order, and its XLA compilation (most of the time on a GPU, and
+  free of the interpreter lock) runs in a worker while the next is traced. A jitted function then
+  called with the same arguments finds its program compiled; nothing runs on the device."""
+  threads = threads or min(8, os.cpu_count() or 1)
+  if threads <= 1 or len(lowerings) <= 1:
+    for lower in lowerings:
+      lower().compile()
+    return
+  with ThreadPoolExecutor(threads, thread_name_prefix="specjax-compile") as pool:
+    for job in [pool.submit(lower().compile) for lower in lowerings]:
+      job.result()
 
 
 @dataclasses.dataclass
@@ -75,11 +93,13 @@ class SlotEngine:
 
   def __init__(self, target, drafter=None, *, slots: int, capacity: int, chunk: int = 256,
                stop_ids=(), rollback: str = "per_step", host_drafter_factory=None, adaptive=None,
-               buckets: tuple[int, ...] | None = None, rounds_per_call: int = 8):
+               buckets: tuple[int, ...] | None = None, rounds_per_call: int = 8,
+               compile_threads: int | None = None):
     """`adaptive`: an `AdaptiveConfig` (adaptive drafting over the live batch) or None (every
     round at the drafter's width). `buckets`: batch sizes the live slots are gathered into (the
     smallest that holds them runs; `default_buckets`); `rounds_per_call`: the most rounds one
-    device call runs (`step`; host drafters run one)."""
+    device call runs (`step`; host drafters run one); `compile_threads`: XLA compilations `warm`
+    runs at once (None: up to 8, one per CPU core)."""
     self.params, self.cfg = target.params, target.cfg
     self.drafter = None if drafter is None else check_drafter(drafter)
     self.b, self.capacity, self.chunk = slots, capacity, max(round_up(chunk, CHUNK_BUCKET), CHUNK_BUCKET)
@@ -88,6 +108,7 @@ class SlotEngine:
     self.width_cap = capacity           # the widest prefill piece: a slot's cache and history rows
     self.rounds_max = 1 if drafter is not None and not drafter.on_device else max(1, int(rounds_per_call))
     self.rollback = rollback
+    self.compile_threads = compile_threads
     self.stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
     self.host_factory = host_drafter_factory
     self.host = [None] * slots          # per-slot host drafter instances (batch 1 each)
@@ -174,14 +195,19 @@ class SlotEngine:
       self._seat(j)
     return finished
 
-  def _prefill_call(self, joining: list[Joining], rows: int, width: int):
-    """`prefill_rows` over `joining` padded to `rows` rows and `width` -> the requests it finishes."""
+  def _prefill_args(self, joining: list[Joining], rows: int, width: int) -> tuple[tuple, dict]:
+    """The arguments of `prefill_rows` over `joining` padded to `rows` rows and `width`."""
     # chunked: the history row is capacity-wide, so one program per (rows, width) serves every prompt
     batch, sampling = joins.stack(joining, rows, width, chunk=self._piece_limit, slots=self.b,
                                   prompt_width=self.capacity if self.chunked else width)
-    self.state, self.dstate, first, done = programs.prefill_rows(
-        self.params, self.dparams, self.state, self.dstate, batch, sampling, self.stop, cfg=self.cfg,
-        drafter=self.drafter, capacity=self.capacity, masks=self._masks)
+    return ((self.params, self.dparams, self.state, self.dstate, batch, sampling, self.stop),
+            dict(cfg=self.cfg, drafter=self.drafter, capacity=self.capacity, masks=self._masks))
+
+  def _prefill_call(self, joining: list[Joining], rows: int, width: int):
+    """`prefill_rows` over `joining` padded to `rows` rows and `width` -> the requests it finishes."""
+    args, kw = self._prefill_args(joining, rows, width)
+    batch = args[4]
+    self.state, self.dstate, first, done = programs.prefill_rows(*args, **kw)
     finished = [j for j, f in zip(joining, batch.finish) if f]
     if finished:
       self._joined.append(([(j.slot, i) for i, j in enumerate(joining) if batch.finish[i]], first, done))
@@ -225,29 +251,52 @@ class SlotEngine:
     widths up to the chunk, and past it the one-pass widths of `joining.piece_widths`), the rounds
     of every bucket and width and freeing slots; with adaptive
     drafting time the round of every width (the controller's first costs). No slot changes (the
-    calls' rows are all padding, the freed mask empty)."""
+    calls' rows are all padding, the freed mask empty). The prefill and round programs are
+    compiled first, `compile_threads` at a time (`compile_ahead`), then each is called once."""
     most = prefill_tokens or self.chunk * self.rounds_max
     widths = joins.piece_widths(self.chunk, self.width_cap)
-    for width in widths if not self.chunked else [w for w in widths if w <= self.chunk]:
-      for rows in self.prefill_buckets:
-        if rows == 1 or rows * width <= most:
-          self._prefill_call([], rows, width)
+    prefills = [(rows, width) for width in (widths if not self.chunked else [w for w in widths if w <= self.chunk])
+                for rows in self.prefill_buckets if rows == 1 or rows * width <= most]
+    rounds = [(width, None if n == self.b else np.arange(n, dtype=np.int32))
+              for width in self._widths() for n in self.buckets]
+    compile_ahead([functools.partial(self._lower_prefill, r, w) for r, w in prefills]
+                  + [functools.partial(self._lower_round, w, r) for w, r in rounds], self.compile_threads)
+    for rows, width in prefills:                # each finds its program compiled; no slot changes
+      self._prefill_call([], rows, width)
     self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
     jax.block_until_ready(self.state)
     if self.control is not None:
       self.control.set_costs(self.round_costs())
       self.control.compile(self.state.history, self.state.hist_len)
-    for width in self._widths():
-      for n in self.buckets:
-        self._compile(width, None if n == self.b else np.arange(n, dtype=np.int32))
+    for width, rows in rounds:
+      self._compile(width, rows)
+
+  def _lower_prefill(self, rows: int, width: int):
+    args, kw = self._prefill_args([], rows, width)
+    return programs.prefill_rows.lower(*args, **kw)
+
+  def _lower_round(self, width: int | None, rows):
+    args, kw = self._round_args(*self._compile_inputs(width), rows, 0)
+    return programs.run_rounds.lower(*args, **kw)
+
+  def _compile_inputs(self, width: int | None) -> tuple[RoundSpec, tuple, tuple | None]:
+    """(spec, inputs, draft) of the call `_compile(width, rows)` makes: as `_run` would at `width`
+    with the requests' n_max, or a host drafter's verification of an empty draft `width` wide."""
+    inputs = self._device_params()
+    plain = RoundSpec(cfg=self.cfg, rollback=self.rollback)
+    if self.drafter is None or (not width and not self.drafter.on_device):
+      return plain, inputs, None
+    if not self.drafter.on_device:
+      return plain, inputs, (jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))
+    if self.control is not None:
+      sampling, dp, max_new = inputs
+      inputs = sampling, {**dp, "n_max": np.asarray(self.dp["n_max"], np.int32)}, max_new
+    return self._spec(width), inputs, None
 
   def _compile(self, width: int | None, rows) -> None:
     """Compile the call of rounds at `width` over `rows` by running none of its rounds."""
-    if self.drafter is not None and not self.drafter.on_device and width:
-      draft = (jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))
-      self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, 0, width, self._device_params(), draft)
-    else:
-      self._run(width, self.dp["n_max"], rows, 0)
+    spec, inputs, draft = self._compile_inputs(width)
+    self._call(spec, rows, 0, width or 0, inputs, draft)
 
   def _widths(self) -> list:
     """The widths rounds run at: the adaptive controller's, a host drafter's verification widths
@@ -321,14 +370,18 @@ class SlotEngine:
       dp = {**dp, "n_max": np.asarray(lengths, np.int32)}
     return self._call(self._spec(width), rows, rounds, width, (sampling, dp, max_new))
 
-  def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
-    """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
+  def _round_args(self, spec: RoundSpec, inputs, draft, rows, rounds: int) -> tuple[tuple, dict]:
+    """The arguments of one `run_rounds` call."""
     sampling, dp, max_new = inputs
     draft = draft or (None, None)
-    self.state, self.dstate, new, counts, done, ran = programs.run_rounds(
-        spec, self.params, self.dparams, self.state, self.dstate, rows, sampling, dp, self.stop, max_new,
-        np.int32(rounds), *draft,
-        rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks)
+    return ((spec, self.params, self.dparams, self.state, self.dstate, rows, sampling, dp, self.stop, max_new,
+             np.int32(rounds), *draft),
+            dict(rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks))
+
+  def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
+    """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
+    args, kw = self._round_args(spec, inputs, draft, rows, rounds)
+    self.state, self.dstate, new, counts, done, ran = programs.run_rounds(*args, **kw)
     new, counts, done, ran = jax.device_get((new, counts, done, ran))
     counts = counts[:, :int(ran)]
     if rows is None:
