@@ -145,7 +145,7 @@ def test_warm_up_compiles_every_program_ahead(monkeypatch, speculator):
   from specjax.serve import engine_adapter
   from specjax.serve.metrics import COMPILE_EVENT
   from specjax.drafters.mtp import init_heads
-  extra = {"mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1), "n_max": 2}, None: {}, "suffix": {"n_max": 4}}[speculator]
+  extra = {"mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1), "n_max": 2}, None: {}, "suffix": {"n_max": 2}}[speculator]
   server = build_server(LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS), speculator, slots=4, capacity=128, chunk=64,
                         rounds_per_call=4, **extra)
   engine = server.scheduler.engine
