@@ -1,0 +1,120 @@
+"""What a serving round costs beside the offline engine's decode step (plain decoding, one request).
+
+`specjax serve` at one client ran a plain round in 1.88 ms where the offline engine's decode step
+takes 1.08 ms on the same GPU and capacity (experiments/README, "How fast is specjax serving under
+load?"). This script splits that gap in one process:
+
+- engine: `generate_plain` at batch 1 with --capacity, timed at two lengths (--new-tokens and half
+  of it); ms per step = the difference of the times over the difference of the steps, so the
+  prefill drops out;
+- serve: a `SlotEngine` (`build_server`'s, plain decoding) for each --slots and --rounds-per-call,
+  one request prefilled into slot 0, then `SlotEngine.step` called until it is done; ms per round =
+  the time of those calls over the rounds they ran (the host work of a call included, no
+  scheduler). With 1 slot nothing is gathered or written back; with more, the live slot is
+  gathered into the batch-1 bucket per call.
+
+Every configuration runs once untimed (compilation) and --repeats times timed (the median kept).
+The JSON (config, git revision, device, rows) goes to --out; a table is printed.
+
+  python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
+  python experiments/serve_round_cost.py --tiny --new-tokens 16 --out /tmp/src.json       # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.drafters.base import DraftParams  # noqa: E402
+from specjax.engine.decode import generate_plain  # noqa: E402
+from specjax.models.load import LoadedModel  # noqa: E402
+from specjax.serve.cli import build_server  # noqa: E402
+
+
+def load_target(args):
+  if args.tiny:
+    from specjax.models.config import ModelConfig
+    from specjax.models.decoder import init_params
+    cfg = ModelConfig(arch="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                      ffn_dim=128, rope_theta=10000.0, norm_eps=1e-6)
+    return LoadedModel("tiny", cfg, init_params(cfg, seed=0)), [1 + i % 200 for i in range(40)]
+  from specjax import api
+  target = api.load(args.model, dtype=args.dtype)
+  prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}])
+  return target, prompt
+
+
+def engine_ms_per_step(target, prompt, args) -> float:
+  """Median over repeats of (t(N) - t(N/2)) / (N - N/2) for generate_plain at batch 1."""
+  lengths = (args.new_tokens // 2, args.new_tokens)
+  run = lambda n: generate_plain(target.params, target.cfg, [prompt], max_new_tokens=n, capacity=args.capacity).seconds
+  for n in lengths:
+    run(n)                                                      # compilation
+  diffs = [(run(lengths[1]) - run(lengths[0])) / (lengths[1] - lengths[0]) for _ in range(args.repeats)]
+  return 1e3 * statistics.median(diffs)
+
+
+def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int]:
+  """Median ms per round of `SlotEngine.step` for one request of --new-tokens, and its rounds."""
+  buckets = [n for n in (1, 8, 32, 64) if n <= slots]
+  engine = build_server(target, None, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
+                        rounds_per_call=rounds_per_call).scheduler.engine
+  times, rounds = [], 0
+  for _ in range(args.repeats + 1):
+    j = engine.begin_join(prompt, slot=0, draft=DraftParams(n_max=0), max_new=args.new_tokens)
+    while not engine.prefill([j]):                               # the prompt's pieces into slot 0
+      pass
+    engine.first_tokens()
+    jax.block_until_ready(engine.state)
+    t0, rounds = time.perf_counter(), 0
+    while engine.live.any():
+      rounds += engine.step(rounds_per_call).rounds
+    times.append((time.perf_counter() - t0) / max(rounds, 1))
+    engine.finish([0])
+  return 1e3 * statistics.median(times[1:]), rounds
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--capacity", type=int, default=1024)
+  ap.add_argument("--new-tokens", type=int, default=256)
+  ap.add_argument("--slots", type=int, nargs="+", default=[1, 64])
+  ap.add_argument("--rounds-per-call", type=int, nargs="+", default=[1, 8])
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--tiny", action="store_true", help="a tiny float32 target (CPU dry run)")
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args(argv)
+  target, prompt = load_target(args)
+  rows = [{"what": "engine decode step", "slots": None, "rounds_per_call": None,
+           "ms": round(engine_ms_per_step(target, prompt, args), 4)}]
+  print(json.dumps(rows[-1]), flush=True)
+  for slots in args.slots:
+    for rpc in args.rounds_per_call:
+      ms, rounds = serve_ms_per_round(target, prompt, args, slots, rpc)
+      rows.append({"what": "serve round", "slots": slots, "rounds_per_call": rpc, "ms": round(ms, 4),
+                   "rounds": rounds, "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None})
+      print(json.dumps(rows[-1]), flush=True)
+  out = {"experiment": "serve_round_cost", "config": {k: v for k, v in vars(args).items() if k != "out"},
+         "git_revision": git_revision(), "device": device_info(), "prompt_tokens": len(prompt), "rows": rows}
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+  print(f"{'what':20s} {'slots':>5s} {'rounds/call':>11s} {'ms':>8s}")
+  for r in rows:
+    print(f"{r['what']:20s} {r['slots'] or '-':>5} {r['rounds_per_call'] or '-':>11} {r['ms']:8.3f}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
