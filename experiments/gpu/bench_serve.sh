@@ -10,7 +10,7 @@
 # rewritten after every level, so a run cut by TIMEOUT keeps the levels it finished. Each server's
 # warm-up time is printed ([bench-serve] METHOD: ... warm-up compiled in X s): a 64-slot server
 # compiles ~25-30 programs, minutes on a GPU the first time; they stay in the compile cache
-# ($SPECJAX_HOME/jax_cache) while the machine is held, so a later call's servers start in seconds.
+# ($SPECJAX_HOME/jax_cache) while the machine is held, so a later call's servers skip what is there.
 # Environment: METHODS [ngram_simple_tuned,mtp_n3,dflash_tree_32]: method names of CONFIG (it also
 # has ngram_simple_tuned_adaptive, mtp_n3_adaptive, eagle3_tree_48); CONFIG
 # [configs/bench_serve_smollm2.yaml]; NAME [the config's file stem]: output file stem; TIMEOUT [540]
