@@ -282,16 +282,21 @@ class SlotEngine:
   def _compile_inputs(self, width: int | None) -> tuple[RoundSpec, tuple, tuple | None]:
     """(spec, inputs, draft) of the call `_compile(width, rows)` makes: as `_run` would at `width`
     with the requests' n_max, or a host drafter's verification of an empty draft `width` wide."""
+    if self.drafter is not None and not self.drafter.on_device and width:
+      draft = (jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))
+      return RoundSpec(cfg=self.cfg, rollback=self.rollback), self._device_params(), draft
+    return (*self._device_round(width, self.dp["n_max"]), None)
+
+  def _device_round(self, width: int | None, lengths: np.ndarray) -> tuple[RoundSpec, tuple]:
+    """(spec, inputs) of a round drafted on the device (or a plain step) at `width` with per-slot
+    draft limits `lengths` [B] (passed only under adaptive drafting; else the cached n_max)."""
     inputs = self._device_params()
-    plain = RoundSpec(cfg=self.cfg, rollback=self.rollback)
     if self.drafter is None or (not width and not self.drafter.on_device):
-      return plain, inputs, None
-    if not self.drafter.on_device:
-      return plain, inputs, (jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))
+      return RoundSpec(cfg=self.cfg, rollback=self.rollback), inputs
     if self.control is not None:
       sampling, dp, max_new = inputs
-      inputs = sampling, {**dp, "n_max": np.asarray(self.dp["n_max"], np.int32)}, max_new
-    return self._spec(width), inputs, None
+      inputs = sampling, {**dp, "n_max": np.asarray(lengths, np.int32)}, max_new
+    return self._spec(width), inputs
 
   def _compile(self, width: int | None, rows) -> None:
     """Compile the call of rounds at `width` over `rows` by running none of its rounds."""
@@ -361,14 +366,10 @@ class SlotEngine:
   def _run(self, width: int | None, lengths: np.ndarray, rows, rounds: int) -> RoundOut:
     """`rounds` rounds at `width` over `rows` with per-slot draft limits `lengths` [B] (the requests'
     own n_max without adaptive drafting, whose device arrays are cached)."""
-    sampling, dp, max_new = self._device_params()
-    if self.drafter is None or (width == 0 and not self.drafter.on_device):
-      return self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), rows, rounds, 0, (sampling, dp, max_new))
-    if not self.drafter.on_device:
-      return self._host_round((sampling, dp, max_new), lengths, rows, rounds)
-    if self.control is not None:
-      dp = {**dp, "n_max": np.asarray(lengths, np.int32)}
-    return self._call(self._spec(width), rows, rounds, width, (sampling, dp, max_new))
+    if self.drafter is not None and not self.drafter.on_device and width:
+      return self._host_round(self._device_params(), lengths, rows, rounds)
+    spec, inputs = self._device_round(width, lengths)
+    return self._call(spec, rows, rounds, width or 0, inputs)
 
   def _round_args(self, spec: RoundSpec, inputs, draft, rows, rounds: int) -> tuple[tuple, dict]:
     """The arguments of one `run_rounds` call."""
