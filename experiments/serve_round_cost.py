@@ -17,6 +17,7 @@ Every configuration runs once untimed (compilation) and --repeats times timed (t
 The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 
   python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
+  python experiments/serve_round_cost.py --random-shape --out $OUT/serve_round_cost.json  # no weights needed
   python experiments/serve_round_cost.py --tiny --new-tokens 16 --out /tmp/src.json       # CPU dry run
 """
 
@@ -48,6 +49,16 @@ def load_target(args):
     cfg = ModelConfig(arch="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       ffn_dim=128, rope_theta=10000.0, norm_eps=1e-6)
     return LoadedModel("tiny", cfg, init_params(cfg, seed=0)), [1 + i % 200 for i in range(40)]
+  if args.random_shape:
+    # SmolLM2-135M's shapes with random weights: the same kernels and launches as the real model, so
+    # round costs need no weights on the machine (greedy output is meaningless; no stop token ends it)
+    import jax.numpy as jnp
+    from specjax.models.config import ModelConfig
+    from specjax.models.decoder import init_params
+    cfg = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                      ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
+    return LoadedModel("smollm2-shaped-random", cfg, init_params(cfg, seed=0, dtype=jnp.dtype(args.dtype))), \
+        [1 + i % 20000 for i in range(40)]
   from specjax import api
   target = api.load(args.model, dtype=args.dtype)
   prompt = target.tokenizer.encode_chat([{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}])
@@ -94,6 +105,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds-per-call", type=int, nargs="+", default=[1, 8])
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 target (CPU dry run)")
+  ap.add_argument("--random-shape", action="store_true",
+                  help="SmolLM2-135M's shapes with random weights in --dtype (no weights needed)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
   target, prompt = load_target(args)
