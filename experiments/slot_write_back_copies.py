@@ -2,8 +2,9 @@
 
 A serving call gathers the live slots' rows of the slot state (KV cache [slots, capacity, kv
 heads, head dim] per layer), runs its rounds on them and scatters them back
-(`slot_programs.run_rounds`). The state is donated, so the write-back can update it in place; the
-CPU compiler copies the whole leaf instead (one copy per KV leaf, temp = the leaf's size). This
+(`slot_programs.run_rounds`). The state is donated, so the write-back can update it in place: the
+GPU compiler does, the CPU compiler copies the whole leaf of a gather + loop + scatter (one copy per
+KV leaf, temp = the leaf's size; experiments/README, "How fast is specjax serving under load?"). This
 script compiles the patterns on the current backend and prints, for each, the copies of a
 slot-sized array in the compiled program and its temp memory, beside the real serving program of
 SmolLM2 (64 slots, capacity 1024, bucket 1) when --model is given:
