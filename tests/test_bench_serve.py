@@ -46,6 +46,9 @@ def test_bench_serve_config_methods_and_levels():
     spec_from_dict({**data, "serve": {"slots": 0}})
   with pytest.raises(ConfigError, match="unknown key"):
     spec_from_dict({**data, "serve": {"levels": [1]}})
+  assert spec_from_dict({**data, "serve": {"call_ms": 40}}).serve.call_ms == 40
+  with pytest.raises(ConfigError, match="serve.call_ms"):
+    spec_from_dict({**data, "serve": {"call_ms": 0}})
   cfg = BenchServeConfig(methods=[None], concurrency=[1, 64], rates=[], num_prompts=16, prompts_per_client=2)
   assert cfg.requests_at("concurrency", 1) == 16 and cfg.requests_at("concurrency", 64) == 128
   assert request_fields(spec_from_dict(data).experiment.methods[0]) == {"speculative": {"n_min": 1}}

@@ -221,7 +221,7 @@ def _expected(want: list[int], n: int) -> tuple[list[int], str]:
   return want[:n], "length"
 
 
-def _bucket_server(speculator):
+def _bucket_server(speculator, call_ms=None):
   """A 4-slot server over TINY_LLAMA (stop token STOP) with buckets of 1, 2 and 4 rows and up to
   4 rounds per device call: plain decoding, device ngram_simple, a random MTP head, or host
   ngram_simple ("ngram_host")."""
@@ -230,24 +230,26 @@ def _bucket_server(speculator):
   extra = {"ngram_simple": {"options": {"size_n": 2}}, "mtp": {"head": init_heads(TINY_LLAMA, 2, seed=1)},
            "ngram_host": {"options": {"size_n": 2, "device": False}}, None: {}}[speculator]
   server = build_server(target, speculator and speculator.replace("_host", "_simple"), slots=4, capacity=128,
-                        n_max=2, buckets=(1, 2), rounds_per_call=4, **extra)
+                        n_max=2, buckets=(1, 2), rounds_per_call=4, call_ms=call_ms, **extra)
   assert server.scheduler.engine.buckets == (1, 2, 4)
   assert speculator != "ngram_host" or not server.scheduler.engine.drafter.on_device
   return server
 
 
-@pytest.mark.parametrize("speculator,order", [(None, "together"), ("ngram_simple", "reversed"), ("mtp", "shuffled"),
-                                              ("ngram_host", "together")])
-def test_buckets_and_multi_round_calls_stay_lossless(offline_tiny, speculator, order):
+@pytest.mark.parametrize("speculator,order,call_ms", [(None, "together", None), ("ngram_simple", "reversed", None),
+                                                      ("mtp", "shuffled", None), ("ngram_host", "together", None),
+                                                      ("mtp", "together", 1000.0)])
+def test_buckets_and_multi_round_calls_stay_lossless(offline_tiny, speculator, order, call_ms):
   """Six greedy requests streamed through the openai client into 4 slots, sent together or one
   by one in some order: as requests end (at their max_tokens or at the stop token, mostly inside a
   call's rounds) and queued ones join, the rounds switch buckets (which ones depends on this
   machine's timing; `test_every_bucket_lossless_call_by_call` runs each for certain), and each
   request's tokens and finish reason equal offline greedy generation of its prompt alone. Calls
   ran several rounds (a chunk carries several rounds' tokens); the metrics count every round's
-  tokens and every request's finish reason; every slot is free at the end."""
+  tokens and every request's finish reason; every slot is free at the end. With a call time budget
+  (`call_ms`, generous here) a bucket's first call runs one round, the later ones several."""
   import openai
-  server = _bucket_server(speculator)
+  server = _bucket_server(speculator, call_ms)
   engine = server.scheduler.engine
   http, url = run_in_thread(server.app())
   try:
@@ -367,6 +369,9 @@ class _Slots:
   """The parts of a `SlotEngine` the scheduler's choice of rounds per call reads."""
   b, chunk, rounds_max, max_draft = 2, 64, 8, 3
 
+  def bucket_size(self) -> int:
+    return self.b
+
 
 def test_rounds_per_call_follow_waiting_requests():
   """The engine's most rounds per call while nothing waits; one while a prompt is prefilled in
@@ -382,3 +387,33 @@ def test_rounds_per_call_follow_waiting_requests():
   assert sched._next_rounds() == 3
   sched._joining.append((sched._waiting.popleft(), None))
   assert sched._next_rounds() == 1
+
+
+def test_call_time_budget_caps_rounds_per_call():
+  """With `call_ms`, a bucket's first call runs one round; then as many rounds as fit the budget at
+  the bucket's running ms per round (the latest call weighing half), never more than the engine's
+  most, at least one; the waiting-request rule still applies under the cap. Without it: the most."""
+  assert Scheduler(_Slots(), max_queue=4)._next_rounds() == 8
+  sched = Scheduler(_Slots(), max_queue=4, call_ms=10.0)
+  assert sched._next_rounds() == 1
+  sched._observe_call(2, 0.004, 1)                     # 4 ms per round (a call's fixed cost in one round)
+  assert sched._next_rounds() == 2
+  sched._observe_call(2, 0.005, 2)                     # 2.5 ms per round: running (4 + 2.5) / 2 = 3.25
+  assert sched._next_rounds() == 3
+  sched._observe_call(1, 0.0001, 1)                    # another bucket's calls leave this one's figure
+  assert sched._next_rounds() == 3
+  for _ in range(20):
+    sched._observe_call(2, 0.0001, 1)
+  assert sched._next_rounds() == 8                     # cheap rounds: the engine's most binds
+  sched._observe_call(2, 1.0, 1)
+  sched._observe_call(2, 1.0, 1)
+  assert sched._next_rounds() == 1                     # dearer than the budget: still one round
+  a, b = (sched.submit(GenRequest([1], max_tokens=n), lambda e: None) for n in (40, 100))
+  sched._waiting.clear()
+  sched._slots = [a, b]
+  sched._round_ms[2] = 1.0
+  a.n_out = 30
+  sched._waiting.append(sched.submit(GenRequest([1]), lambda e: None))
+  assert sched._next_rounds() == 3                     # the waiting rule (3) under the cap (8)
+  with pytest.raises(ValueError, match="call_ms"):
+    Scheduler(_Slots(), call_ms=0.0)

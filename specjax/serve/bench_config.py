@@ -37,6 +37,7 @@ class ServeSettings:
   chunk: int = 256                                # prefill chunk, tokens
   rounds_per_call: int = 8                        # most rounds one device call runs
   buckets: tuple[int, ...] = ()                   # batch sizes the live slots run in (empty: the default)
+  call_ms: float | None = None                    # a device call's time budget, ms (None: rounds_per_call alone)
   client_processes: int | None = None             # client processes per level (None: one per 8 clients)
   plain: bool = True                              # measure plain decoding too (first)
 
@@ -59,6 +60,8 @@ def _check(s: ServeSettings, where: str) -> ServeSettings:
   for key in ("num_prompts", "slots", "max_queue", "chunk", "rounds_per_call"):
     if getattr(s, key) < 1:
       raise ConfigError(f"{where}.{key}: must be >= 1, got {getattr(s, key)!r}")
+  if s.call_ms is not None and not (isinstance(s.call_ms, (int, float)) and s.call_ms > 0):
+    raise ConfigError(f"{where}.call_ms: must be > 0 ms, got {s.call_ms!r}")
   if s.prompts_per_client < 0:
     raise ConfigError(f"{where}.prompts_per_client: must be >= 0, got {s.prompts_per_client!r}")
   return s

@@ -25,20 +25,23 @@ def adaptive_config(adaptive):
 def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 2048, max_queue: int = 64,
                  chunk: int = 256, n_max: int = 8, draft_model=None, head=None, options: dict | None = None,
                  rollback: str = "per_step", policy: str = "best", adaptive=False, rounds_per_call: int = 8,
-                 buckets=None):
+                 buckets=None, call_ms: float | None = None):
   """A `Server` for `target` (a LoadedModel) with one speculator (None: plain decoding). `n_max`
   is the widest draft any request may ask for (requests pick theirs up to it). `adaptive` (True,
   a dict of `AdaptiveConfig` fields or an AdaptiveConfig) chooses before every round whether to
   speculate and how wide, from the live slots' acceptance and the rounds' measured cost
   (`specjax.serve.adaptive_slots`); chain drafters only. `rounds_per_call`: the most rounds one
   device call runs while no request waits to join; `buckets`: the batch sizes the live slots are
-  gathered into (None: `engine_adapter.default_buckets`)."""
+  gathered into (None: `engine_adapter.default_buckets`); `call_ms`: a device call's time budget,
+  which caps its rounds at what fits it (`Scheduler._rounds_in_budget`; None: no cap)."""
   from specjax.drafters.base import DraftParams
   from specjax.drafters.registry import make_speculator
   from specjax.serve.app import Server
   from specjax.serve.engine_adapter import SlotEngine
   from specjax.serve.metrics import ServeMetrics
   from specjax.serve.scheduler import Scheduler
+  if call_ms is not None and not call_ms > 0:
+    raise UserError(f"--call-ms must be > 0, got {call_ms}")
   if slots < 1 or capacity < 128 or max_queue < 1 or rounds_per_call < 1:
     raise UserError(f"--slots must be >= 1, --capacity >= 128, --max-queue >= 1 and --rounds-per-call >= 1, got "
                     f"{slots}, {capacity}, {max_queue}, {rounds_per_call}")
@@ -64,7 +67,7 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
                       rollback=rollback, host_drafter_factory=make, adaptive=ac, buckets=buckets,
                       rounds_per_call=rounds_per_call)
   metrics = ServeMetrics(engine.max_draft)
-  scheduler = Scheduler(engine, max_queue=max_queue, metrics=metrics, stop_ids=stop_ids)
+  scheduler = Scheduler(engine, max_queue=max_queue, metrics=metrics, stop_ids=stop_ids, call_ms=call_ms)
   return Server(scheduler, target.tokenizer, vocab=target.cfg.vocab_size, capacity=capacity,
                 model_name=getattr(target, "name", "model"), metrics=metrics)
 
@@ -83,6 +86,10 @@ def _server_args(p) -> None:
   p.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens (default 256)")
   p.add_argument("--rounds-per-call", type=int, default=8,
                  help="most rounds one device call runs while no request waits to join (default 8)")
+  p.add_argument("--call-ms", type=float, default=None,
+                 help="a device call's time budget in ms: its rounds are capped at what fits at the measured cost of "
+                      "a round in its batch bucket, so a request arriving mid-call waits at most about this long to "
+                      "join (default: no budget; raise --rounds-per-call with it)")
   p.add_argument("--buckets", type=_csv(int), default=None,
                  help="batch sizes the live slots run in, e.g. 1,8,64 (default 1, 8, 32, .. up to half the "
                       "slots, and every slot)")
@@ -103,7 +110,7 @@ def _server_from_args(args, target, options, spec):
   return build_server(target, spec, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                       chunk=args.chunk, n_max=args.n_max, draft_model=args.draft_model, head=args.head,
                       options=options, adaptive=args.adaptive, rounds_per_call=args.rounds_per_call,
-                      buckets=args.buckets)
+                      buckets=args.buckets, call_ms=args.call_ms)
 
 
 def cmd_serve(args) -> int:
@@ -146,7 +153,7 @@ def cmd_bench_serve(args) -> int:
                          server={"model": args.model, "dtype": args.dtype or "float32", "slots": args.slots,
                                  "capacity": args.capacity, "chunk": args.chunk, "max_queue": args.max_queue,
                                  "spec_config": args.spec_config, "rounds_per_call": args.rounds_per_call,
-                                 "buckets": args.buckets})
+                                 "buckets": args.buckets, "call_ms": args.call_ms})
   if not cfg.methods:
     raise UserError("nothing to measure: --no-plain needs at least one --spec")
   target, options = (None, None) if args.url else _load(args)
@@ -155,7 +162,7 @@ def cmd_bench_serve(args) -> int:
     return build_server(target, None if method is None else method.speculator, slots=args.slots,
                         capacity=args.capacity, max_queue=args.max_queue, chunk=args.chunk, n_max=args.n_max,
                         draft_model=args.draft_model, head=args.head, options=options, adaptive=args.adaptive,
-                        rounds_per_call=args.rounds_per_call, buckets=args.buckets)
+                        rounds_per_call=args.rounds_per_call, buckets=args.buckets, call_ms=args.call_ms)
   result = run_bench(cfg, make)
   print(json.dumps(result["summary"], indent=1))
   return 0
@@ -188,11 +195,12 @@ def _bench_serve_config(args) -> int:
                          client_processes=sv.client_processes if args.client_processes is None else args.client_processes,
                          server={"name": exp.name, "model": exp.target, "dtype": dtype, "slots": sv.slots,
                                  "capacity": capacity, "chunk": sv.chunk, "max_queue": sv.max_queue,
-                                 "rounds_per_call": sv.rounds_per_call, "buckets": list(sv.buckets) or None})
+                                 "rounds_per_call": sv.rounds_per_call, "buckets": list(sv.buckets) or None,
+                                 "call_ms": sv.call_ms})
   target = None if args.url else api.load(exp.target, dtype=dtype)
 
   shared = dict(slots=sv.slots, capacity=capacity, max_queue=sv.max_queue, chunk=sv.chunk,
-                rounds_per_call=sv.rounds_per_call, buckets=sv.buckets or None)
+                rounds_per_call=sv.rounds_per_call, buckets=sv.buckets or None, call_ms=sv.call_ms)
 
   def make(m):
     if m is None:

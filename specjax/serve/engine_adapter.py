@@ -332,11 +332,16 @@ class SlotEngine:
       self._dev = jax.device_put(jax.tree_util.tree_map(np.copy, host))   # copies: the host arrays change in place
     return self._dev
 
+  def bucket_size(self) -> int:
+    """The batch bucket the next call runs in: the smallest that holds the live slots."""
+    n_live = int(np.count_nonzero(self.live))
+    return next(size for size in self.buckets if size >= n_live)
+
   def bucket_rows(self) -> np.ndarray | None:
     """The slots the next call runs: the live ones, padded with free slots to the smallest bucket
     that holds them ([b] int32), or None when that bucket is every slot."""
     live = np.flatnonzero(self.live)
-    n = next(size for size in self.buckets if size >= len(live))
+    n = self.bucket_size()
     if n == self.b:
       return None
     return np.concatenate([live, np.flatnonzero(~self.live)[:n - len(live)]]).astype(np.int32)

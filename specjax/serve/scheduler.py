@@ -156,11 +156,17 @@ class Scheduler:
   """Fixed slots over one `SlotEngine`, fed by a bounded waiting queue."""
 
   def __init__(self, engine: SlotEngine, *, max_queue: int = 64, prefill_budget: int | None = None,
-               metrics=None, stop_ids=()):
+               metrics=None, stop_ids=(), call_ms: float | None = None):
+    """`call_ms`: a device call's time budget in ms (None: none, every call may run the engine's
+    most rounds); see `_next_rounds`."""
+    if call_ms is not None and not call_ms > 0:
+      raise ValueError(f"call_ms must be > 0 (or None), got {call_ms!r}")
     self.engine = engine
     self.max_queue = max_queue
     self.prefill_budget = prefill_budget or engine.chunk   # prefill work (tokens computed) per round of the last call
     self._last_rounds = 1                                  # rounds the last call ran
+    self.call_ms = call_ms
+    self._round_ms: dict[int, float] = {}                  # batch bucket -> ms per round of its calls, host included
     self.metrics = metrics
     self.stop_ids = set(stop_ids)
     self._waiting: collections.deque[Handle] = collections.deque()
@@ -256,6 +262,7 @@ class Scheduler:
       out = self.engine.step(self._next_rounds())
       seconds = time.perf_counter() - t0
       self._last_rounds = max(1, out.rounds)
+      self._observe_call(out.batch, seconds, out.rounds)
     self._first_tokens()
     if out is not None:
       self._dispatch(out, seconds)
@@ -269,14 +276,36 @@ class Scheduler:
     """One round while requests are joining (their next prefill calls run between calls of rounds);
     while requests wait for a slot, the rounds until the first running request may end (its token
     budget at the widest draft), so that a waiting request takes its slot then; else the engine's
-    most."""
-    most = self.engine.rounds_max
+    most. With `call_ms`, never more rounds than fit the budget at the running cost of a round in
+    the bucket the call runs in (`_rounds_in_budget`)."""
+    most = self._rounds_in_budget(self.engine.rounds_max)
     if self._joining:
       return 1
     if self._waiting:
       left = min(h.request.max_tokens - h.n_out for h in self._slots if h is not None)
       return max(1, min(most, -(-left // (self.engine.max_draft + 1))))
     return most
+
+  def _rounds_in_budget(self, most: int) -> int:
+    """The rounds of a call that fit `call_ms`: a device call has a fixed cost besides its rounds
+    (a host round trip, the slots' rows gathered and written back), so more rounds per call make
+    each round cheaper, while a request that arrives during a call waits for its end to join. The
+    budget bounds that wait. A bucket's first call runs one round; its time per round (the call's
+    time over its rounds, so the fixed cost is spread over them) then sets the next call's rounds,
+    which lowers the time per round, until the budget or `most` binds."""
+    if self.call_ms is None:
+      return most
+    ms = self._round_ms.get(self.engine.bucket_size())
+    return 1 if ms is None else max(1, min(most, int(self.call_ms / ms)))
+
+  def _observe_call(self, bucket: int, seconds: float, rounds: int) -> None:
+    """A call of `rounds` rounds in `bucket` took `seconds`: the bucket's running ms per round
+    (the latest call weighs half)."""
+    if rounds < 1 or self.call_ms is None:
+      return
+    ms = 1e3 * seconds / rounds
+    old = self._round_ms.get(bucket)
+    self._round_ms[bucket] = ms if old is None else 0.5 * (old + ms)
 
   def _publish(self) -> None:
     events, self._outbox = self._outbox, []
