@@ -104,3 +104,92 @@ def _metric(url: str, name: str, **labels) -> float:
     if line.startswith(want + " "):
       return float(line.split()[-1])
   return 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# trees: adaptive node budgets (`specjax.serve.adaptive_tree_slots`)
+
+
+def test_served_tree_budgets_tally_as_the_offline_loop():
+  """What a round shows per budget, read off the accepted path's ranks as `run_rounds` reports them
+  (PAST_PATH past the path), equals the offline loop's `BudgetTally` on the same rounds."""
+  import types
+
+  import jax.numpy as jnp
+  import numpy as np
+
+  from specjax.engine.adaptive_tree import BudgetTally
+  from specjax.serve.adaptive_tree_slots import budgets_shown
+  from specjax.serve.slot_programs import PAST_PATH
+  rng = np.random.default_rng(0)
+  widths = (0, 4, 8, 16)
+  for _ in range(20):
+    b, d = 6, 5
+    path_rank = rng.integers(0, 20, size=(b, d)).astype(np.int32)
+    n_acc = rng.integers(0, d + 1, size=b).astype(np.int32)
+    on_path = np.arange(d)[None, :] < n_acc[:, None]
+    served = budgets_shown(np.where(on_path, path_rank, PAST_PATH), widths)                  # [W, B]
+    verdict = types.SimpleNamespace(path_rank=jnp.where(on_path, path_rank, -1), n_accepted=jnp.asarray(n_acc),
+                                    live=jnp.ones((b,), bool))
+    tally = BudgetTally.init(len(widths), b).observe(widths, 16, verdict)
+    np.testing.assert_array_equal(1 + served, np.asarray(tally.tokens))
+
+
+def test_tree_budget_rule_follows_acceptance_and_probes_up():
+  """The controller's plan: the first explore_rounds rounds at the widest budget; then the budget
+  with the most expected tokens per ms (slots that showed long accepted paths at budget 8 pick it
+  over plain steps at these costs; slots that accepted nothing pick 0, rounds that draft nothing);
+  every explore_every-th call a one-round probe one budget up; a slot with speculation off never
+  drafts; a joining slot restarts from the batch's pooled estimate."""
+  import numpy as np
+
+  from specjax.engine.adaptive import AdaptiveConfig
+  from specjax.serve.adaptive_tree_slots import SlotBudgetController
+
+  class Tree:
+    max_draft, budgeted, proposes_tree, on_device = 8, True, True, True
+
+  ac = AdaptiveConfig(costs=(1.0, 1.2, 1.5), explore_rounds=2, explore_every=4)
+  live, n_max, n_min = np.ones(3, bool), np.array([3, 3, 0]), np.zeros(3, int)
+  for accepted_depth, want in ((3, 8), (0, 0)):
+    c = SlotBudgetController(ac, 3, Tree(), rounds_per_call=8)
+    assert c.widths == (0, 4, 8)
+    first = c.plan(n_max, n_min, live, rounds=8)
+    assert (first.width, first.rounds, first.lengths.tolist()) == (8, 2, [3, 3, 0])
+    ranks = np.full((3, 3), 2 ** 30)
+    ranks[:, :accepted_depth] = np.arange(accepted_depth) * 2            # ranks 0, 2, 4: every budget >= 4 holds the path
+    for _ in range(12):
+      c.observe(first, 8, None, None, live, 1.0, None, None, ranks=ranks)
+    plans = [c.plan(n_max, n_min, live, rounds=8) for _ in range(4)]
+    assert [p.width for p in plans[:3]] == [want] * 3, [p.width for p in plans]
+    if want == 0:
+      assert (plans[3].width, plans[3].rounds) == (4, 1)                # the probe, one budget up, one round
+    else:
+      assert (plans[3].width, plans[3].rounds) == (8, 8)                # no budget above the widest to probe
+    assert all(p.lengths[2] == 0 for p in plans)
+  c.join(0, 10)
+  assert c.rounds[:, 0].sum() == 0 and c.tokens[:, 0].sum() == 0
+  np.testing.assert_allclose(c.tau()[:, 0], c.tokens.sum(1) / c.rounds.sum(1))   # the batch's pooled estimate
+
+
+def test_adaptive_tree_lossless_and_drops_a_tree_that_never_lands(offline_tiny):
+  """A DFlash tree drafter with a random head (its trees almost never hold the target's tokens),
+  budgets 0, 4 and 8 at fixed costs (a budget-8 round costs 1.5 plain steps): served to 6
+  concurrent requests over 4 slots, every request equals offline greedy generation of its prompt
+  alone, the first rounds explore the widest budget and most rounds then run at budget 0."""
+  from specjax.drafters.registry import _example_dflash
+  target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
+  example = _example_dflash(target, None, depth=3, top_k=2, n_nodes=8)
+  server = build_server(target, "dflash_tree", head=example["head"], slots=4, capacity=128, n_max=2,
+                        options={"depth": 3, "top_k": 2, "n_nodes": 8}, adaptive={"costs": [1.0, 1.2, 1.5]})
+  engine = server.scheduler.engine
+  assert engine.control.widths == (0, 4, 8)
+  http, url = run_in_thread(server.app())
+  try:
+    out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))
+  finally:
+    http.should_exit = True
+  for body, want in zip(out, offline_tiny):
+    assert body["choices"][0]["token_ids"] == want
+  widths = engine.control.rounds_by_width
+  assert widths[8] >= engine.control.ac.explore_rounds and widths[0] >= 0.6 * sum(widths.values()), widths

@@ -12,7 +12,7 @@
 # compiles ~25-30 programs, minutes on a GPU the first time; they stay in the compile cache
 # ($SPECJAX_HOME/jax_cache) while the machine is held, so a later call's servers skip what is there.
 # Environment: METHODS [ngram_simple_tuned,mtp_n3,dflash_tree_32]: method names of CONFIG (it also
-# has ngram_simple_tuned_adaptive, mtp_n3_adaptive, eagle3_tree_48); CONFIG
+# has ngram_simple_tuned_adaptive, mtp_n3_adaptive, eagle3_tree_48, dflash_tree_32_adaptive); CONFIG
 # [configs/bench_serve_smollm2.yaml]; NAME [the config's file stem]: output file stem; TIMEOUT [540]
 # seconds; the rest as in bootstrap.sh (OUT required). Further arguments go to `specjax bench-serve`
 # (--concurrency 1,64, --num-prompts N, --prompts-per-client N, --max-tokens N, --client-processes N,

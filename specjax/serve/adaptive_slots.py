@@ -74,31 +74,19 @@ def _replay(rs: ReplayState, joined, join_len, history, hist_len, *, drafter, wi
   return rs, adapt.tau_replayed(rs.tokens, rs.rounds, prior_rounds)
 
 
-class SlotWidthController:
-  """Width and draft lengths for B slots of one chain drafter: `plan` before a call of rounds,
-  `observe` after each of its rounds, `join` when a request takes a slot."""
+class RoundCosts:
+  """The measured cost of a round at each width, per batch bucket: the warm-up's timing of every
+  width over every slot first (`set_costs`), then a running average of the rounds that ran there
+  (`observe_cost`); or the config's fixed costs (`AdaptiveConfig.costs`)."""
 
-  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1):
-    """`rounds_per_call`: the most rounds the server runs on one plan (the replay's reach)."""
-    self.ac, self.drafter, self.k = ac, drafter, drafter.max_draft
-    self.rounds_per_call = rounds_per_call
-    self.device_drafter = drafter.on_device
-    self.replayed = drafter.on_device and drafter.replayable
-    self.widths = ac.widths_for(self.k)                                     # ascending, 0 first
+  def __init__(self, ac: adapt.AdaptiveConfig, widths: tuple[int, ...]):
+    self.ac, self.widths = ac, widths
     self.fixed_costs = ac.costs is not None
     self.costs = None if ac.costs is None else np.asarray(ac.costs, np.float64)   # [W] ms per round
     if self.fixed_costs and len(self.costs) != len(self.widths):
       raise ValueError(f"adaptive costs has {len(self.costs)} entries for widths {self.widths}")
-    self.acceptance = adapt.AdaptiveState.init(slots, ac, np)
-    self.rates = adapt.PositionRates(self.k, ac)
-    self.round = 0
     self._bucket_costs: dict[int, np.ndarray] = {}                          # [W] per bucket smaller than every slot
-    self._since_replay = 0                                                  # rounds observed since the replay last extended
-    self._since_join = 0                                                    # rounds observed since a request last joined
     self.rounds_by_width = {w: 0 for w in self.widths}
-    self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
-    self._replay_state = None
-    self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
 
   def set_costs(self, costs_ms) -> None:
     """The warm-up's timed cost of a round of every slot at every width (kept when the config
@@ -112,6 +100,42 @@ class SlotWidthController:
     if bucket is None or self.fixed_costs:
       return self.costs
     return self._bucket_costs.setdefault(bucket, self.costs.copy())
+
+  def observe_cost(self, width: int, ms: float, bucket: int | None) -> None:
+    """A round ran at `width` over `bucket` slots in `ms` milliseconds."""
+    self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
+    if not self.fixed_costs and width in self.widths:
+      i, costs = self.widths.index(width), self._costs_at(bucket)
+      ms = min(ms, STALL * costs[i])      # a call held up by the host says little about its width
+      costs[i] = self.ac.decay * costs[i] + (1.0 - self.ac.decay) * ms
+
+  def cost_record(self) -> dict:
+    out = {"widths": list(self.widths), "costs_ms": [round(float(c), 4) for c in self.costs],
+           "rounds_by_width": {str(w): n for w, n in self.rounds_by_width.items()}}
+    if self._bucket_costs:
+      out["costs_ms_by_bucket"] = {str(n): [round(float(c), 4) for c in costs] for n, costs in self._bucket_costs.items()}
+    return out
+
+
+class SlotWidthController(RoundCosts):
+  """Width and draft lengths for B slots of one chain drafter: `plan` before a call of rounds,
+  `observe` after each of its rounds, `join` when a request takes a slot."""
+
+  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1):
+    """`rounds_per_call`: the most rounds the server runs on one plan (the replay's reach)."""
+    super().__init__(ac, ac.widths_for(drafter.max_draft))                 # ascending, 0 first
+    self.drafter, self.k = drafter, drafter.max_draft
+    self.rounds_per_call = rounds_per_call
+    self.device_drafter = drafter.on_device
+    self.replayed = drafter.on_device and drafter.replayable
+    self.acceptance = adapt.AdaptiveState.init(slots, ac, np)
+    self.rates = adapt.PositionRates(self.k, ac)
+    self.round = 0
+    self._since_replay = 0                                                  # rounds observed since the replay last extended
+    self._since_join = 0                                                    # rounds observed since a request last joined
+    self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
+    self._replay_state = None
+    self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
 
   def join(self, slot: int, hist_len: int) -> None:
     """A new request in `slot` (its history `hist_len` tokens long): its estimates restart."""
@@ -170,19 +194,15 @@ class SlotWidthController:
     return next(w for w in self.widths if w >= min(n, self.k))
 
   def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len,
-              bucket: int | None = None) -> None:
+              bucket: int | None = None, ranks=None) -> None:
     """After a round that ran at `width` (host drafters: the width their drafts needed) over
     `bucket` gathered slots in `ms` milliseconds: drafted [B] draft tokens verified, accepted [B],
     live [B] (before the round); history [B, H] and hist_len [B]: the slot batch's token history
-    now (device arrays)."""
+    now (device arrays); `ranks` (tree rounds' path ranks) unused."""
     self.acceptance = adapt.update(self.acceptance, drafted, accepted, live, self.ac.decay)
     if plan.lengths.any():
       self.rates.observe_round(plan.lengths, accepted, live)
-    self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
-    if not self.fixed_costs and width in self.widths:
-      i, costs = self.widths.index(width), self._costs_at(bucket)
-      ms = min(ms, STALL * costs[i])      # a call held up by the host says little about its width
-      costs[i] = self.ac.decay * costs[i] + (1.0 - self.ac.decay) * ms
+    self.observe_cost(width, ms, bucket)
     self._since_replay += 1
     self._since_join += 1
     if self.replayed and self._since_replay >= self.ac.segment_rounds:
@@ -207,10 +227,7 @@ class SlotWidthController:
 
   def record(self) -> dict:
     """Widths, their current costs, rounds run at each, and the estimates the rule reads."""
-    out = {"widths": list(self.widths), "costs_ms": [round(float(c), 4) for c in self.costs],
-           "rounds_by_width": {str(w): n for w, n in self.rounds_by_width.items()}}
-    if self._bucket_costs:
-      out["costs_ms_by_bucket"] = {str(n): [round(float(c), 4) for c in costs] for n, costs in self._bucket_costs.items()}
+    out = self.cost_record()
     if self.replayed:
       out["replayed_tau"] = [round(float(t), 4) for t in np.mean(self.tau, axis=1)]
     else:

@@ -30,7 +30,7 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
   is the widest draft any request may ask for (requests pick theirs up to it). `adaptive` (True,
   a dict of `AdaptiveConfig` fields or an AdaptiveConfig) chooses before every round whether to
   speculate and how wide, from the live slots' acceptance and the rounds' measured cost
-  (`specjax.serve.adaptive_slots`); chain drafters only. `rounds_per_call`: the most rounds one
+  (`specjax.serve.adaptive_slots`; tree drafters: the node budget, `adaptive_tree_slots`). `rounds_per_call`: the most rounds one
   device call runs while no request waits to join; `buckets`: the batch sizes the live slots are
   gathered into (None: `engine_adapter.default_buckets`); `call_ms`: a device call's time budget,
   which caps its rounds at what fits it (`Scheduler._rounds_in_budget`; None: no cap)."""
@@ -59,9 +59,9 @@ def build_server(target, speculator=None, *, slots: int = 8, capacity: int = 204
     make = lambda: make_speculator(speculator, target, draft_model=draft_model, draft_params=dp, head=head,
                                    options=options, policy=policy)
     drafter = make()
-    if ac is not None and drafter.proposes_tree:
-      raise UserError(f"--adaptive picks chain draft lengths; the tree speculator {drafter.name} sets its own node "
-                      f"budget (use a chain speculator, or leave --adaptive off)")
+    if ac is not None and drafter.proposes_tree and not drafter.on_device:
+      raise UserError(f"--adaptive chooses a tree's node budget from its rounds on the device; {drafter.name} drafts "
+                      f"on the host (leave --adaptive off)")
   stop_ids = tuple(target.tokenizer.eos_ids) if target.tokenizer is not None else ()
   engine = SlotEngine(target, drafter, slots=slots, capacity=capacity, chunk=chunk, stop_ids=stop_ids,
                       rollback=rollback, host_drafter_factory=make, adaptive=ac, buckets=buckets,
@@ -95,7 +95,7 @@ def _server_args(p) -> None:
                       "slots, and every slot)")
   p.add_argument("--adaptive", action="store_true",
                  help="before every round choose whether to speculate and how wide, from the live slots' acceptance "
-                      "and the rounds' measured cost (chain speculators)")
+                      "and the rounds' measured cost (tree speculators: the node budget)")
 
 
 def _load(args):

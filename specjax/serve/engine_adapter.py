@@ -19,7 +19,8 @@ into the smallest batch bucket that holds them (padded with free slots), advance
 written back, so a lone request runs a batch-1 program rather than B rows; every bucket is one
 compiled program per round width. Host drafters draft on the host, so their calls run one round.
 
-With adaptive drafting (`adaptive_slots.SlotWidthController`) every call runs at the width the
+With adaptive drafting (`adaptive_slots.SlotWidthController` for chains,
+`adaptive_tree_slots.SlotBudgetController` for trees: node budgets) every call runs at the width the
 controller plans: one compiled round per width of `AdaptiveConfig.widths_for(K)`, width 0 being
 the plain decoding step for plain-compatible drafters (`commit_free` device drafters, host
 drafters) and a round that verifies no draft, but keeps the drafter's state current, for the others.
@@ -44,6 +45,7 @@ from specjax.engine.sampling import SamplingParams
 from specjax.serve import joining as joins
 from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
+from specjax.serve.adaptive_tree_slots import SlotBudgetController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
 
 
@@ -74,6 +76,8 @@ class RoundOut:
   accepted: np.ndarray   # [R, B] draft tokens accepted
   width: int = 0         # the rounds' verification width (0: plain decoding steps or rounds without drafts)
   batch: int = 0         # the bucket the rounds ran in (slots gathered)
+  ranks: np.ndarray | None = None   # [R, B, D] tree rounds: the drafter's rank of the accepted node at each
+                                    # depth (slot_programs.PAST_PATH past the path); D = 0 for other rounds
 
   @property
   def rounds(self) -> int:
@@ -115,9 +119,10 @@ class SlotEngine:
     self.dparams = drafter.params() if drafter is not None and drafter.on_device else ()
     self.control = None
     if adaptive is not None and drafter is not None:
-      if drafter.proposes_tree:
-        raise ValueError("adaptive drafting picks chain lengths; a tree drafter sets its own node budget")
-      self.control = SlotWidthController(adaptive, slots, drafter, rounds_per_call=self.rounds_max)
+      if drafter.proposes_tree and not drafter.on_device:
+        raise ValueError("adaptive node budgets need a device tree drafter (its rounds report the path's ranks)")
+      controller = SlotBudgetController if drafter.proposes_tree else SlotWidthController
+      self.control = controller(adaptive, slots, drafter, rounds_per_call=self.rounds_max)
     self._init_batch()
 
   @property
@@ -364,7 +369,7 @@ class SlotEngine:
       ms = (time.perf_counter() - t0) * 1e3 / max(out.rounds, 1)
       for r in range(out.rounds):
         self.control.observe(plan, out.width, out.drafted[r], out.accepted[r], out.emitted[r] > 0, ms,
-                             self.state.history, self.state.hist_len, bucket=bucket)
+                             self.state.history, self.state.hist_len, bucket=bucket, ranks=out.ranks[r])
     self.live &= ~out.done
     return out
 
@@ -387,16 +392,18 @@ class SlotEngine:
   def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
     """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
     args, kw = self._round_args(spec, inputs, draft, rows, rounds)
-    self.state, self.dstate, new, counts, done, ran = programs.run_rounds(*args, **kw)
-    new, counts, done, ran = jax.device_get((new, counts, done, ran))
-    counts = counts[:, :int(ran)]
+    self.state, self.dstate, new, counts, done, ran, ranks = programs.run_rounds(*args, **kw)
+    new, counts, done, ran, ranks = jax.device_get((new, counts, done, ran, ranks))
+    counts, ranks = counts[:, :int(ran)], ranks[:int(ran)]
     if rows is None:
-      return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b)
+      return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b, ranks=ranks)
     full_new = np.zeros((self.b, new.shape[1]), new.dtype)
     full_counts = np.zeros(counts.shape[:2] + (self.b,), counts.dtype)
+    full_ranks = np.full((ranks.shape[0], self.b, ranks.shape[2]), programs.PAST_PATH, ranks.dtype)
     full_done = ~self.live
-    full_new[rows], full_counts[:, :, rows], full_done[rows] = new, counts, done
-    return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts, width=width, batch=len(rows))
+    full_new[rows], full_counts[:, :, rows], full_done[rows], full_ranks[:, rows] = new, counts, done, ranks
+    return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts, width=width, batch=len(rows),
+                    ranks=full_ranks)
 
   def _spec(self, width: int) -> RoundSpec:
     """The device drafter's round at `width` (its full width: the spec of the fixed loop)."""

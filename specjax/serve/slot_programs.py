@@ -112,20 +112,39 @@ def new_tokens(state_before_len, state, width):
   return jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
 
 
+PAST_PATH = 2 ** 30      # the rank `run_rounds` reports at depths past the accepted path (above every budget)
+
+
+def rank_depth(spec) -> int:
+  """D of the [R, b, D] ranks `run_rounds` reports: a tree drafter's depth bound, else 0."""
+  return spec.stats_width if spec.drafter is not None and spec.proposes_tree else 0
+
+
 def _one_round(spec, inp: RoundInputs, host_draft, width: int):
   """One round over a batch -> f(state, dstate) -> (state, dstate, [3, b] emitted / draft tokens
-  verified / accepted): `run_round` (the device drafter's, or verifying `host_draft`), or with
-  neither drafter a plain decoding step."""
+  verified / accepted, [b, D] the drafter's rank of the accepted node at each depth, `PAST_PATH`
+  past the accepted path: a tree round's, for adaptive node budgets; D = `rank_depth`):
+  `run_round` (the device drafter's, or verifying `host_draft`), or with neither drafter a plain
+  decoding step."""
+  depth = rank_depth(spec)
   if spec.drafter is None and host_draft is None:
     def plain(state, dstate):
       state, n = decode_step_counted(inp.params, spec.cfg, state, inp.sampling, inp.stop_ids, inp.max_new)
-      return state, dstate, jnp.stack([n, jnp.zeros_like(n), jnp.zeros_like(n)])
+      return state, dstate, jnp.stack([n, jnp.zeros_like(n), jnp.zeros_like(n)]), jnp.zeros((n.shape[0], 0), jnp.int32)
     return plain
 
   def speculative(state, dstate):
-    stats = RoundStats.zeros(state.last.shape[0], width)
+    b = state.last.shape[0]
+    stats = RoundStats.zeros(b, width)
     carry, v = run_round(spec, inp, Carry(state=state, dstate=dstate, stats=stats), host_draft=host_draft)
-    return carry.state, carry.dstate, jnp.stack([v.n_out, v.n_verified, v.n_accepted])
+    if v.path_rank is None:                                   # no tree this round (node budget 0) or a chain
+      rank = jnp.full((b, depth), PAST_PATH, jnp.int32)
+    else:
+      pr = v.path_rank[:, :depth]
+      pr = jnp.pad(pr, ((0, 0), (0, depth - pr.shape[1])), constant_values=PAST_PATH)   # [b, D]
+      on_path = jnp.arange(depth)[None, :] < v.n_accepted[:, None]
+      rank = jnp.where(on_path, pr, PAST_PATH).astype(jnp.int32)
+    return carry.state, carry.dstate, jnp.stack([v.n_out, v.n_verified, v.n_accepted]), rank
   return speculative
 
 
@@ -139,7 +158,8 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   drafter's, a plain decoding step (`spec.drafter` None), or one round verifying the host
   drafters' draft (draft_tokens [B, w], draft_lengths [B]). `masks`: `slot_leaves` of state, dstate.
   -> (state, dstate, new tokens [b, rounds_max * (W+1)], counts [3, rounds_max, b] (emitted, draft
-  tokens verified, accepted, per round), done [b], rounds run)."""
+  tokens verified, accepted, per round), done [b], rounds run, ranks [rounds_max, b, D] (tree rounds:
+  the accepted path's node ranks, `_one_round`; D = 0 otherwise))."""
   full_state, full_dstate = state, dstate
   if rows is not None:
     state, dstate = gather_rows(state, rows, masks[0]), gather_rows(dstate, rows, masks[1])
@@ -149,17 +169,20 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   width = spec.stats_width if host is None else draft_tokens.shape[1]     # tokens a round emits, at most, - 1
   inp = RoundInputs(params=params, dparams=dparams, sampling=sampling, dp=dp, stop_ids=stop_ids, max_new=max_new)
   step = _one_round(spec, inp, host, width)
+  b = state.last.shape[0]
 
   def body(c):
-    r, state, dstate, counts = c
-    state, dstate, n = step(state, dstate)
-    return r + 1, state, dstate, counts.at[:, r].set(n.astype(jnp.int32))
+    r, state, dstate, counts, ranks = c
+    state, dstate, n, rank = step(state, dstate)
+    return r + 1, state, dstate, counts.at[:, r].set(n.astype(jnp.int32)), ranks.at[r].set(rank)
 
   before = state.hist_len
-  start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, state.last.shape[0]), jnp.int32))
-  ran, state, dstate, counts = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body, start)
+  start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, b), jnp.int32),
+           jnp.full((rounds_max, b, rank_depth(spec)), PAST_PATH, jnp.int32))
+  ran, state, dstate, counts, ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body,
+                                                         start)
   new, done = new_tokens(before, state, rounds_max * (width + 1)), state.done
   if rows is not None:
     state = scatter_rows(full_state, rows, state, masks[0], shared_from_sub=True)
     dstate = scatter_rows(full_dstate, rows, dstate, masks[1], shared_from_sub=True)
-  return state, dstate, new, counts, done, ran
+  return state, dstate, new, counts, done, ran, ranks
