@@ -64,6 +64,12 @@ def compile_ahead(lowerings: list, threads: int | None = None) -> None:
       job.result()
 
 
+@jax.jit
+def _copy_tree(tree):
+  """A copy of every leaf, in one program (the slot batch is donated by the rounds timed on it)."""
+  return jax.tree_util.tree_map(jnp.copy, tree)
+
+
 @dataclasses.dataclass
 class RoundOut:
   """What one call of rounds did, per slot, on the host ([B] arrays: slots outside the call's
@@ -444,7 +450,7 @@ class SlotEngine:
     ms = []
     try:
       for w in self.control.widths:
-        self.state, self.dstate = jax.tree_util.tree_map(jnp.copy, saved)
+        self.state, self.dstate = _copy_tree(saved)
         times = []
         for i in range(repeats + 1):
           jax.block_until_ready((self.state, self.dstate))
