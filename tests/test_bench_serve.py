@@ -93,4 +93,7 @@ def test_bench_serve_clients_in_processes(tmp_path):
     parts = r["model_thread_s"]
     assert set(parts) == {"rounds", "prefill", "host"} and parts["rounds"] > 0
     assert sum(parts.values()) <= r["seconds"] + 1.0      # the thread's iterations straddle the level's edges
-  assert json.loads((tmp_path / "b.json").read_text())["rows"][1]["concurrency"] == 3
+  saved = json.loads((tmp_path / "b.json").read_text())
+  assert saved["rows"][1]["concurrency"] == 3
+  warm = saved["warm_up"]["plain"]               # where the server's warm-up went, by phase
+  assert warm["programs"] > 0 and 0 < warm["trace_s"] <= warm["wall_s"] <= warm["total_s"] and warm["build_s"] >= 0

@@ -305,7 +305,7 @@ def run_bench(cfg: BenchServeConfig, make_server) -> dict:
   out = Path(cfg.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   result = {"config": _config_record(cfg), "git_rev": git_revision(), "device": device_info(),
-            "environment": environment(), "rows": rows, "summary": []}
+            "environment": environment(), "rows": rows, "summary": [], "warm_up": {}}
 
   def write(row=None):
     if row is not None:
@@ -328,8 +328,10 @@ def run_bench(cfg: BenchServeConfig, make_server) -> dict:
       server = make_server(method)
       t1 = time.perf_counter()
       server.scheduler.warm()        # prefill programs and every bucket's rounds compiled before anything is timed
+      phases = getattr(server.scheduler.engine, "warm_phases", None) or {}
+      result["warm_up"][method_name(method)] = {"build_s": round(t1 - t0, 2), **phases}
       print(f"[bench-serve] {method_name(method)}: server built in {t1 - t0:.1f} s, warm-up compiled in "
-            f"{time.perf_counter() - t1:.1f} s", file=sys.stderr, flush=True)
+            f"{time.perf_counter() - t1:.1f} s {phases}", file=sys.stderr, flush=True)
       http, url = run_in_thread(server.app())
       try:
         asyncio.run(_measure(url, cfg, method, write, pool))

@@ -49,27 +49,36 @@ from specjax.serve.adaptive_tree_slots import SlotBudgetController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
 
 
-def compile_ahead(lowerings: list, threads: int | None = None) -> None:
+def compile_ahead(lowerings: list, threads: int | None = None) -> dict:
   """Compile the programs of `lowerings` (callables returning a `jax.stages.Lowered`) `threads` at
   a time: each is traced here, in order, and its XLA compilation (most of the time on a GPU, and
   free of the interpreter lock) runs in a worker while the next is traced. A jitted function then
   called with the same arguments finds its program compiled; nothing runs on the device. A progress
-  bar counts the compiled programs (minutes on a GPU for a server's ~30)."""
+  bar counts the compiled programs (minutes on a GPU for a server's ~30).
+  -> {"programs", "trace_s" (tracing and lowering, on this thread), "wall_s"}."""
   from tqdm import tqdm
   threads = threads or min(8, os.cpu_count() or 1)
+  t0, traced = time.perf_counter(), 0.0
   with tqdm(total=len(lowerings), desc="compile serving programs", unit="program", leave=False) as bar:
     if threads <= 1 or len(lowerings) <= 1:
       for lower in lowerings:
-        lower().compile()
+        t = time.perf_counter()
+        lowered = lower()
+        traced += time.perf_counter() - t
+        lowered.compile()
         bar.update()
-      return
-    with ThreadPoolExecutor(threads, thread_name_prefix="specjax-compile") as pool:
-      jobs = []
-      for lower in lowerings:
-        jobs.append(pool.submit(lower().compile))
-        jobs[-1].add_done_callback(lambda _: bar.update())
-      for job in jobs:
-        job.result()
+    else:
+      with ThreadPoolExecutor(threads, thread_name_prefix="specjax-compile") as pool:
+        jobs = []
+        for lower in lowerings:
+          t = time.perf_counter()
+          lowered = lower()
+          traced += time.perf_counter() - t
+          jobs.append(pool.submit(lowered.compile))
+          jobs[-1].add_done_callback(lambda _: bar.update())
+        for job in jobs:
+          job.result()
+  return {"programs": len(lowerings), "trace_s": round(traced, 2), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 @jax.jit
@@ -132,6 +141,7 @@ class SlotEngine:
     self.host = [None] * slots          # per-slot host drafter instances (batch 1 each)
     self.dparams = drafter.params() if drafter is not None and drafter.on_device else ()
     self.control = None
+    self.warm_phases: dict | None = None   # `warm`'s time by phase, once it has run
     if adaptive is not None and drafter is not None:
       if drafter.proposes_tree and not drafter.on_device:
         raise ValueError("adaptive node budgets need a device tree drafter (its rounds report the path's ranks)")
@@ -278,17 +288,26 @@ class SlotEngine:
                 for rows in self.prefill_buckets if rows == 1 or rows * width <= most]
     rounds = [(width, None if n == self.b else np.arange(n, dtype=np.int32))
               for width in self._widths() for n in self.buckets]
-    compile_ahead([functools.partial(self._lower_prefill, r, w) for r, w in prefills]
-                  + [functools.partial(self._lower_round, w, r) for w, r in rounds], self.compile_threads)
+    t0 = time.perf_counter()
+    ahead = compile_ahead([functools.partial(self._lower_prefill, r, w) for r, w in prefills]
+                          + [functools.partial(self._lower_round, w, r) for w, r in rounds], self.compile_threads)
+    t1 = time.perf_counter()
     for rows, width in prefills:                # each finds its program compiled; no slot changes
       self._prefill_call([], rows, width)
     self.state = programs.finish_rows(self.state, np.zeros((self.b,), bool))
     jax.block_until_ready(self.state)
+    t2 = time.perf_counter()
     if self.control is not None:
       self.control.set_costs(self.round_costs())
       self.control.compile(self.state.history, self.state.hist_len)
+    t3 = time.perf_counter()
     for width, rows in rounds:
       self._compile(width, rows)
+    # where the warm-up's time went (bench-serve prints it): compile_ahead's programs, tracing and
+    # wall time, then the first calls of the prefill and round programs, and the controller's timing
+    self.warm_phases = {**(ahead or {}), "prefill_calls_s": round(t2 - t1, 2),
+                        "round_costs_s": round(t3 - t2, 2), "round_calls_s": round(time.perf_counter() - t3, 2),
+                        "total_s": round(time.perf_counter() - t0, 2)}
 
   def _lower_prefill(self, rows: int, width: int):
     args, kw = self._prefill_args([], rows, width)
