@@ -367,7 +367,7 @@ def _wait(ready, seconds: float = 60.0) -> None:
 
 class _Slots:
   """The parts of a `SlotEngine` the scheduler's choice of rounds per call reads."""
-  b, chunk, rounds_max, max_draft = 2, 64, 8, 3
+  b, chunk, rounds_max, max_draft, max_tokens_per_round = 2, 64, 8, 3, 4
 
   def bucket_size(self) -> int:
     return self.b

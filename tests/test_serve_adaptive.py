@@ -176,7 +176,8 @@ def test_adaptive_tree_lossless_and_drops_a_tree_that_never_lands(offline_tiny):
   """A DFlash tree drafter with a random head (its trees almost never hold the target's tokens),
   budgets 0, 4 and 8 at fixed costs (a budget-8 round costs 1.5 plain steps): served to 6
   concurrent requests over 4 slots, every request equals offline greedy generation of its prompt
-  alone, the first rounds explore the widest budget and most rounds then run at budget 0."""
+  alone, the first rounds explore the widest budget and most rounds then run at budget 0. A round
+  emits at most depth + 1 tokens (the scheduler's waiting rule counts rounds by it)."""
   from specjax.drafters.registry import _example_dflash
   target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
   example = _example_dflash(target, None, depth=3, top_k=2, n_nodes=8)
@@ -184,6 +185,7 @@ def test_adaptive_tree_lossless_and_drops_a_tree_that_never_lands(offline_tiny):
                         options={"depth": 3, "top_k": 2, "n_nodes": 8}, adaptive={"costs": [1.0, 1.2, 1.5]})
   engine = server.scheduler.engine
   assert engine.control.widths == (0, 4, 8)
+  assert engine.max_tokens_per_round == 3 + 1      # a round emits at most the tree's depth + 1, not its 8 nodes + 1
   http, url = run_in_thread(server.app())
   try:
     out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))

@@ -41,6 +41,7 @@ import numpy as np
 from specjax.drafters.base import DraftParams, check_drafter
 from specjax.engine import RoundSpec
 from specjax.engine.generation import GenState, round_up, target_of
+from specjax.engine.tree import max_depth_of
 from specjax.engine.sampling import SamplingParams
 from specjax.serve import joining as joins
 from specjax.serve import slot_programs as programs
@@ -152,6 +153,14 @@ class SlotEngine:
   @property
   def max_draft(self) -> int:
     return 0 if self.drafter is None else self.drafter.max_draft
+
+  @property
+  def max_tokens_per_round(self) -> int:
+    """The most tokens a round emits per slot: the accepted draft plus one (trees: their depth
+    bound plus one, not their node budget)."""
+    if self.drafter is None:
+      return 1
+    return (max_depth_of(self.drafter) if self.drafter.proposes_tree else self.drafter.max_draft) + 1
 
   @property
   def chunked(self) -> bool:

@@ -275,7 +275,7 @@ class Scheduler:
   def _next_rounds(self) -> int:
     """One round while requests are joining (their next prefill calls run between calls of rounds);
     while requests wait for a slot, the rounds until the first running request may end (its token
-    budget at the widest draft), so that a waiting request takes its slot then; else the engine's
+    budget at the most tokens a round emits), so that a waiting request takes its slot then; else the engine's
     most. With `call_ms`, never more rounds than fit the budget at the running cost of a round in
     the bucket the call runs in (`_rounds_in_budget`)."""
     most = self._rounds_in_budget(self.engine.rounds_max)
@@ -283,7 +283,7 @@ class Scheduler:
       return 1
     if self._waiting:
       left = min(h.request.max_tokens - h.n_out for h in self._slots if h is not None)
-      return max(1, min(most, -(-left // (self.engine.max_draft + 1))))
+      return max(1, min(most, -(-left // self.engine.max_tokens_per_round)))
     return most
 
   def _rounds_in_budget(self, most: int) -> int:
