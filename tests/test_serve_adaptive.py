@@ -111,16 +111,16 @@ def _metric(url: str, name: str, **labels) -> float:
 
 
 def test_served_tree_budgets_tally_as_the_offline_loop():
-  """What a round shows per budget, read off the accepted path's ranks as `run_rounds` reports them
-  (PAST_PATH past the path), equals the offline loop's `BudgetTally` on the same rounds."""
+  """What a round shows per budget, read on the host (numpy) off the accepted path's ranks as
+  `run_rounds` reports them (PAST_PATH past the path), equals the offline loop's `BudgetTally` (jax,
+  from the verdict's ranks) on the same rounds."""
   import types
 
   import jax.numpy as jnp
   import numpy as np
 
   from specjax.engine.adaptive_tree import BudgetTally
-  from specjax.serve.adaptive_tree_slots import budgets_shown
-  from specjax.serve.slot_programs import PAST_PATH
+  from specjax.engine.adaptive_tree import PAST_PATH, accepted_by_budget
   rng = np.random.default_rng(0)
   widths = (0, 4, 8, 16)
   for _ in range(20):
@@ -128,7 +128,7 @@ def test_served_tree_budgets_tally_as_the_offline_loop():
     path_rank = rng.integers(0, 20, size=(b, d)).astype(np.int32)
     n_acc = rng.integers(0, d + 1, size=b).astype(np.int32)
     on_path = np.arange(d)[None, :] < n_acc[:, None]
-    served = budgets_shown(np.where(on_path, path_rank, PAST_PATH), widths)                  # [W, B]
+    served = accepted_by_budget(np.where(on_path, path_rank, PAST_PATH), widths)             # [W, B], on the host
     verdict = types.SimpleNamespace(path_rank=jnp.where(on_path, path_rank, -1), n_accepted=jnp.asarray(n_acc),
                                     live=jnp.ones((b,), bool))
     tally = BudgetTally.init(len(widths), b).observe(widths, 16, verdict)

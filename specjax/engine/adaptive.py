@@ -327,8 +327,9 @@ class HostController:
 def tau_replayed(tokens, rounds, prior_rounds: float):
   """[W, B] expected tokens per round at each width, per sequence, from replayed rounds
   (`adaptive_replay`), shrunk toward the batch's pooled figure by `prior_rounds` rounds; 1 (no
-  gain from drafting) before anything is replayed."""
-  pooled = jnp.where(jnp.sum(rounds, 1) > 0, jnp.sum(tokens, 1) / jnp.maximum(jnp.sum(rounds, 1), 1e-6), 1.0)   # [W]
+  gain from drafting) before anything is replayed. numpy or jax arrays."""
+  xp = _xp(tokens)
+  pooled = xp.where(xp.sum(rounds, 1) > 0, xp.sum(tokens, 1) / xp.maximum(xp.sum(rounds, 1), 1e-6), 1.0)   # [W]
   return (tokens + prior_rounds * pooled[:, None]) / (rounds + prior_rounds)
 
 

@@ -30,7 +30,25 @@ import jax.numpy as jnp
 from specjax.engine import adaptive as adapt
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, Verdict, run_round
 
-_PAST = 2 ** 30          # the rank given to depths past the accepted path (never below a budget)
+PAST_PATH = 2 ** 30      # the rank given to depths past the accepted path (never below a budget)
+
+
+def ranks_on_path(path_rank, n_accepted):
+  """[B, D] the accepted path's node ranks (`Verdict.path_rank`), `PAST_PATH` at depths past the
+  accepted ones (n_accepted [B])."""
+  depth = jnp.arange(path_rank.shape[1])[None, :]
+  return jnp.where(depth < n_accepted[:, None], path_rank, PAST_PATH).astype(jnp.int32)
+
+
+def accepted_by_budget(rank, widths: tuple[int, ...]):
+  """[W, B] draft tokens a round at each budget of `widths` would have accepted, from `ranks_on_path`
+  [B, D]: the depths whose largest rank so far is below the budget. numpy or jax arrays (the
+  server's host controller, the device loop)."""
+  xp = adapt._xp(rank)
+  if rank.shape[1] == 0:
+    return xp.zeros((len(widths), rank.shape[0]), xp.int32)
+  reach = xp.maximum.accumulate(rank, axis=1)                                     # [B, D] largest rank through depth j
+  return xp.sum(reach[None] < xp.asarray(widths, xp.int32)[:, None, None], axis=2)
 
 
 @jax.tree_util.register_dataclass
@@ -51,10 +69,7 @@ class BudgetTally:
     if verdict.path_rank is None:                                                   # budget 0: no tree
       accepted = jnp.zeros((len(widths),) + verdict.n_accepted.shape, jnp.int32)
     else:
-      depth = jnp.arange(verdict.path_rank.shape[1])[None, :]
-      rank = jnp.where(depth < verdict.n_accepted[:, None], verdict.path_rank, _PAST)   # [B, D]
-      reach = jax.lax.cummax(rank, axis=1)                                          # [B, D] largest rank through depth j
-      accepted = jnp.sum(reach[None] < w[:, None, None], axis=2)                    # [W, B]
+      accepted = accepted_by_budget(ranks_on_path(verdict.path_rank, verdict.n_accepted), widths)   # [W, B]
     shown = (w <= width)[:, None] & verdict.live[None, :]                           # [W, B]
     return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
                        rounds=self.rounds + shown.astype(jnp.float32))

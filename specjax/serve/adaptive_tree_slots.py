@@ -10,7 +10,7 @@ depths of the accepted path whose largest rank so far is below w (exact for gree
 estimate for sampled ones). `run_rounds` reports the accepted path's ranks per round; each slot
 keeps decayed sums of those tokens and of the rounds that showed them, per budget, and reads them
 as tokens per round shrunk toward the batch's pooled figure by `prior_rounds` rounds
-(`adaptive.tau_replayed`'s rule). A drafter that cannot draft fewer nodes (not `budgeted`) chooses
+(`adaptive.tau_replayed`). A drafter that cannot draft fewer nodes (not `budgeted`) chooses
 between 0 and its whole tree.
 
 The rule is the chain controller's (`adaptive_slots`): the budget with the most expected tokens per
@@ -26,17 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from specjax.engine import adaptive as adapt
+from specjax.engine.adaptive_tree import accepted_by_budget
 from specjax.serve.adaptive_slots import RoundCosts, RoundPlan
-
-
-def budgets_shown(ranks: np.ndarray, widths: tuple[int, ...]) -> np.ndarray:
-  """[W, B] draft tokens a round at each budget of `widths` would have accepted, from the accepted
-  path's node ranks [B, D] (anything >= every budget past the path): the depths whose largest rank
-  so far is below the budget."""
-  if ranks.shape[1] == 0:
-    return np.zeros((len(widths), ranks.shape[0]), np.int64)
-  reach = np.maximum.accumulate(ranks, axis=1)                                    # [B, D]
-  return np.sum(reach[None] < np.asarray(widths)[:, None, None], axis=2)          # [W, B]
 
 
 class SlotBudgetController(RoundCosts):
@@ -61,10 +52,7 @@ class SlotBudgetController(RoundCosts):
 
   def tau(self) -> np.ndarray:
     """[W, B] expected tokens per round at each budget, shrunk toward the batch's pooled figure."""
-    total = self.rounds.sum(axis=1)
-    pooled = np.where(total > 0, self.tokens.sum(axis=1) / np.maximum(total, 1e-6), 1.0)     # [W]
-    prior = self.ac.prior_rounds
-    return (self.tokens + prior * pooled[:, None]) / (self.rounds + prior)
+    return adapt.tau_replayed(self.tokens, self.rounds, self.ac.prior_rounds)
 
   def plan(self, n_max: np.ndarray, n_min: np.ndarray, live: np.ndarray, rounds: int = 1,
            bucket: int | None = None) -> RoundPlan:
@@ -97,7 +85,7 @@ class SlotBudgetController(RoundCosts):
     self.rounds[:, live] *= self._decay
     w = np.asarray(self.widths)
     drafted_here = np.asarray(plan.lengths) > 0
-    accepted_at = (budgets_shown(np.asarray(ranks), self.widths) if ranks is not None and width > 0
+    accepted_at = (accepted_by_budget(np.asarray(ranks), self.widths) if ranks is not None and width > 0
                    else np.zeros((len(w), live.shape[0]), np.int64))                        # [W, B]
     shown = (w <= width)[:, None] & live[None, :] & ((w == 0)[:, None] | drafted_here[None, :])
     self.tokens += np.where(shown, 1.0 + accepted_at, 0.0)

@@ -41,7 +41,7 @@ import numpy as np
 from specjax.drafters.base import DraftParams, check_drafter
 from specjax.engine import RoundSpec
 from specjax.engine.generation import GenState, round_up, target_of
-from specjax.engine.tree import max_depth_of
+from specjax.engine.adaptive_tree import PAST_PATH
 from specjax.engine.sampling import SamplingParams
 from specjax.serve import joining as joins
 from specjax.serve import slot_programs as programs
@@ -59,26 +59,17 @@ def compile_ahead(lowerings: list, threads: int | None = None) -> dict:
   -> {"programs", "trace_s" (tracing and lowering, on this thread), "wall_s"}."""
   from tqdm import tqdm
   threads = threads or min(8, os.cpu_count() or 1)
-  t0, traced = time.perf_counter(), 0.0
-  with tqdm(total=len(lowerings), desc="compile serving programs", unit="program", leave=False) as bar:
-    if threads <= 1 or len(lowerings) <= 1:
-      for lower in lowerings:
-        t = time.perf_counter()
-        lowered = lower()
-        traced += time.perf_counter() - t
-        lowered.compile()
-        bar.update()
-    else:
-      with ThreadPoolExecutor(threads, thread_name_prefix="specjax-compile") as pool:
-        jobs = []
-        for lower in lowerings:
-          t = time.perf_counter()
-          lowered = lower()
-          traced += time.perf_counter() - t
-          jobs.append(pool.submit(lowered.compile))
-          jobs[-1].add_done_callback(lambda _: bar.update())
-        for job in jobs:
-          job.result()
+  t0, traced, jobs = time.perf_counter(), 0.0, []
+  with tqdm(total=len(lowerings), desc="compile serving programs", unit="program", leave=False) as bar, \
+       ThreadPoolExecutor(max(1, threads), thread_name_prefix="specjax-compile") as pool:
+    for lower in lowerings:
+      t = time.perf_counter()
+      lowered = lower()
+      traced += time.perf_counter() - t
+      jobs.append(pool.submit(lowered.compile))
+      jobs[-1].add_done_callback(lambda _: bar.update())
+    for job in jobs:
+      job.result()
   return {"programs": len(lowerings), "trace_s": round(traced, 2), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -100,8 +91,8 @@ class RoundOut:
   accepted: np.ndarray   # [R, B] draft tokens accepted
   width: int = 0         # the rounds' verification width (0: plain decoding steps or rounds without drafts)
   batch: int = 0         # the bucket the rounds ran in (slots gathered)
-  ranks: np.ndarray | None = None   # [R, B, D] tree rounds: the drafter's rank of the accepted node at each
-                                    # depth (slot_programs.PAST_PATH past the path); D = 0 for other rounds
+  ranks: np.ndarray | None = None   # [R, B, D] tree rounds under adaptive node budgets: the accepted path's
+                                    # node ranks (`adaptive_tree.ranks_on_path`); else D = 0
 
   @property
   def rounds(self) -> int:
@@ -158,9 +149,7 @@ class SlotEngine:
   def max_tokens_per_round(self) -> int:
     """The most tokens a round emits per slot: the accepted draft plus one (trees: their depth
     bound plus one, not their node budget)."""
-    if self.drafter is None:
-      return 1
-    return (max_depth_of(self.drafter) if self.drafter.proposes_tree else self.drafter.max_draft) + 1
+    return RoundSpec(cfg=self.cfg, drafter=self.drafter).stats_width + 1
 
   @property
   def chunked(self) -> bool:
@@ -429,7 +418,8 @@ class SlotEngine:
     draft = draft or (None, None)
     return ((spec, self.params, self.dparams, self.state, self.dstate, rows, sampling, dp, self.stop, max_new,
              np.int32(rounds), *draft),
-            dict(rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks))
+            dict(rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks,
+                 ranks=isinstance(self.control, SlotBudgetController)))     # the path's ranks only where read
 
   def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
     """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
@@ -441,7 +431,7 @@ class SlotEngine:
       return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b, ranks=ranks)
     full_new = np.zeros((self.b, new.shape[1]), new.dtype)
     full_counts = np.zeros(counts.shape[:2] + (self.b,), counts.dtype)
-    full_ranks = np.full((ranks.shape[0], self.b, ranks.shape[2]), programs.PAST_PATH, ranks.dtype)
+    full_ranks = np.full((ranks.shape[0], self.b, ranks.shape[2]), PAST_PATH, ranks.dtype)
     full_done = ~self.live
     full_new[rows], full_counts[:, :, rows], full_done[rows], full_ranks[:, rows] = new, counts, done, ranks
     return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts, width=width, batch=len(rows),

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import Draft
 from specjax.engine import Carry, RoundInputs, run_round
+from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.sampling import init_keys, sample, shaped_probs, split_keys
@@ -112,21 +113,16 @@ def new_tokens(state_before_len, state, width):
   return jnp.take_along_axis(state.history, jnp.minimum(cols, state.history.shape[1] - 1), axis=1)
 
 
-PAST_PATH = 2 ** 30      # the rank `run_rounds` reports at depths past the accepted path (above every budget)
+def rank_depth(spec, ranks: bool) -> int:
+  """D of the [R, b, D] ranks `run_rounds` reports: with `ranks`, a tree drafter's depth bound, else 0."""
+  return spec.stats_width if ranks and spec.drafter is not None and spec.proposes_tree else 0
 
 
-def rank_depth(spec) -> int:
-  """D of the [R, b, D] ranks `run_rounds` reports: a tree drafter's depth bound, else 0."""
-  return spec.stats_width if spec.drafter is not None and spec.proposes_tree else 0
-
-
-def _one_round(spec, inp: RoundInputs, host_draft, width: int):
+def _one_round(spec, inp: RoundInputs, host_draft, width: int, depth: int):
   """One round over a batch -> f(state, dstate) -> (state, dstate, [3, b] emitted / draft tokens
-  verified / accepted, [b, D] the drafter's rank of the accepted node at each depth, `PAST_PATH`
-  past the accepted path: a tree round's, for adaptive node budgets; D = `rank_depth`):
-  `run_round` (the device drafter's, or verifying `host_draft`), or with neither drafter a plain
-  decoding step."""
-  depth = rank_depth(spec)
+  verified / accepted, [b, depth] the accepted path's node ranks (`adaptive_tree.ranks_on_path`;
+  depth 0: none reported)): `run_round` (the device drafter's, or verifying `host_draft`), or with
+  neither drafter a plain decoding step."""
   if spec.drafter is None and host_draft is None:
     def plain(state, dstate):
       state, n = decode_step_counted(inp.params, spec.cfg, state, inp.sampling, inp.stop_ids, inp.max_new)
@@ -137,20 +133,19 @@ def _one_round(spec, inp: RoundInputs, host_draft, width: int):
     b = state.last.shape[0]
     stats = RoundStats.zeros(b, width)
     carry, v = run_round(spec, inp, Carry(state=state, dstate=dstate, stats=stats), host_draft=host_draft)
-    if v.path_rank is None:                                   # no tree this round (node budget 0) or a chain
+    if depth == 0 or v.path_rank is None:                     # not reported, or no tree this round (budget 0)
       rank = jnp.full((b, depth), PAST_PATH, jnp.int32)
     else:
       pr = v.path_rank[:, :depth]
       pr = jnp.pad(pr, ((0, 0), (0, depth - pr.shape[1])), constant_values=PAST_PATH)   # [b, D]
-      on_path = jnp.arange(depth)[None, :] < v.n_accepted[:, None]
-      rank = jnp.where(on_path, pr, PAST_PATH).astype(jnp.int32)
+      rank = ranks_on_path(pr, v.n_accepted)
     return carry.state, carry.dstate, jnp.stack([v.n_out, v.n_verified, v.n_accepted]), rank
   return speculative
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "rounds_max", "masks"), donate_argnames=("state", "dstate"))
+@functools.partial(jax.jit, static_argnames=("spec", "rounds_max", "masks", "ranks"), donate_argnames=("state", "dstate"))
 def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_ids, max_new, n_rounds,
-               draft_tokens=None, draft_lengths=None, *, rounds_max, masks=None):
+               draft_tokens=None, draft_lengths=None, *, rounds_max, masks=None, ranks=False):
   """Up to `n_rounds` (<= rounds_max) rounds over the slots `rows` [b] (None: every slot), ending
   early once all of them are done (a slot stops at its stop token or max_new inside the loop, as
   the round's emission does, while the others go on). The rows are gathered into a batch-b state,
@@ -158,8 +153,8 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   drafter's, a plain decoding step (`spec.drafter` None), or one round verifying the host
   drafters' draft (draft_tokens [B, w], draft_lengths [B]). `masks`: `slot_leaves` of state, dstate.
   -> (state, dstate, new tokens [b, rounds_max * (W+1)], counts [3, rounds_max, b] (emitted, draft
-  tokens verified, accepted, per round), done [b], rounds run, ranks [rounds_max, b, D] (tree rounds:
-  the accepted path's node ranks, `_one_round`; D = 0 otherwise))."""
+  tokens verified, accepted, per round), done [b], rounds run, ranks [rounds_max, b, D]: with `ranks`
+  (adaptive node budgets read them), a tree round's accepted-path node ranks; else D = 0)."""
   full_state, full_dstate = state, dstate
   if rows is not None:
     state, dstate = gather_rows(state, rows, masks[0]), gather_rows(dstate, rows, masks[1])
@@ -168,21 +163,22 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   host = None if draft_tokens is None else Draft(tokens=draft_tokens, lengths=draft_lengths)
   width = spec.stats_width if host is None else draft_tokens.shape[1]     # tokens a round emits, at most, - 1
   inp = RoundInputs(params=params, dparams=dparams, sampling=sampling, dp=dp, stop_ids=stop_ids, max_new=max_new)
-  step = _one_round(spec, inp, host, width)
+  depth = rank_depth(spec, ranks)
+  step = _one_round(spec, inp, host, width, depth)
   b = state.last.shape[0]
 
   def body(c):
-    r, state, dstate, counts, ranks = c
+    r, state, dstate, counts, path_ranks = c
     state, dstate, n, rank = step(state, dstate)
-    return r + 1, state, dstate, counts.at[:, r].set(n.astype(jnp.int32)), ranks.at[r].set(rank)
+    return r + 1, state, dstate, counts.at[:, r].set(n.astype(jnp.int32)), path_ranks.at[r].set(rank)
 
   before = state.hist_len
   start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, b), jnp.int32),
-           jnp.full((rounds_max, b, rank_depth(spec)), PAST_PATH, jnp.int32))
-  ran, state, dstate, counts, ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body,
+           jnp.full((rounds_max, b, depth), PAST_PATH, jnp.int32))
+  ran, state, dstate, counts, path_ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body,
                                                          start)
   new, done = new_tokens(before, state, rounds_max * (width + 1)), state.done
   if rows is not None:
     state = scatter_rows(full_state, rows, state, masks[0], shared_from_sub=True)
     dstate = scatter_rows(full_dstate, rows, dstate, masks[1], shared_from_sub=True)
-  return state, dstate, new, counts, done, ran, ranks
+  return state, dstate, new, counts, done, ran, path_ranks
