@@ -45,7 +45,8 @@ def load(name_or_path: str, dtype: str = "float32", mesh=None, invariant: bool |
 
   mesh: None (one device), a spec such as "data=2,model=4", or a `jax.sharding.Mesh` with axes
   ("data", "model"): the parameters are sharded over it (`specjax.parallel`), read on the host and
-  written straight to their shards, and `generate` runs the batch over "data".
+  written straight to their shards, and `generate` runs the batch over "data"; KV heads the model
+  axis does not divide are padded with zero KV groups (`shard`: more KV-cache memory, same output).
   invariant: batch-invariant forward (`batch_invariant`); None: SPECJAX_INVARIANT=1 turns it on."""
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise UserError(f"model must be a fetch name or a path, got {type(name_or_path).__name__}")
@@ -77,12 +78,19 @@ def batch_invariant(model: LoadedModel, on: bool = True) -> LoadedModel:
 
 
 def shard(model: LoadedModel, mesh) -> LoadedModel:
-  """`model` with its parameters sharded over `mesh` (a spec string or a Mesh); the model axis
-  must divide its attention and KV heads (a UserError says which sizes would)."""
+  """`model` with its parameters sharded over `mesh` (a spec string or a Mesh), tensor-parallel over
+  the model axis (whole KV groups per device). Where the model axis does not divide the KV heads
+  (SmolLM2-135M's 3 on model=2 or 4), the target is padded with zero KV groups up to the next
+  multiple (`parallel.pad_heads`): the same greedy tokens, but its KV cache and attention grow by
+  padded / real KV heads (3 -> 4: 4/3; a warning says so). The result's `cfg` is then the padded
+  config and `logical_cfg` the checkpoint's own, which drafters use."""
   mesh = parallel.as_mesh(mesh)
   if mesh is None:
     return model
-  return dataclasses.replace(model, params=parallel.place_params(model.params, mesh, model.cfg), mesh=mesh)
+  params, cfg = parallel.place_target(model.params, model.cfg, mesh)
+  logical = model.logical_cfg
+  return dataclasses.replace(model, params=params, cfg=cfg, mesh=mesh,
+                             unpadded_cfg=None if cfg == logical else logical)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,13 @@ the suite keeps one device). Prints one JSON line per check; the test asserts on
         one head-training step on the mesh and on one device: max |difference| of params and loss
     python tests/sharding_worker.py dist MESH       (under SPECJAX_COORDINATOR_ADDRESS & co.)
         greedy tokens of one multi-process run (process 0 prints them)
+    python tests/sharding_worker.py padded MESH:NAME[,NAME...][;MESH:NAME...] TMPDIR
+        a target of 6 heads / 3 KV heads, which model=2 and 4 do not divide (`api.shard` pads them
+        with zero KV groups): greedy tokens of each (mesh, speculator) against the one-device plain
+        output -> {"kind": "padded", "mesh", "name", "ok", "ref", "got", "cfg", "logical"}
+    python tests/sharding_worker.py real GGUF MESH
+        the real SmolLM2-135M (9 heads, 3 KV heads) in float32: greedy tokens of a chat prompt on
+        one device and on the mesh (padded to 4 KV heads on model=2) -> {"kind": "real", ...}
 
 The target is tests/conftest.py's tiny llama with 8 heads and 4 KV heads (V=16, 2 layers); heads and the
 draft model are tiny and random, as in the drafters' own losslessness tests.
@@ -46,15 +53,19 @@ TREE = {"depth": 2, "top_k": 2}
 
 # the tiny llama with 8 query / 4 KV heads of 4 dimensions (same d_model): model=4 divides them
 TINY_SHARDABLE = TINY_LLAMA.replace(n_heads=8, n_kv_heads=4, head_dim=4)
+# 6 query / 3 KV heads: model=2 and 4 do not divide them (`api.shard` pads them to 4 KV heads)
+TINY_PADDED = TINY_LLAMA.replace(n_heads=6, n_kv_heads=3, head_dim=4)
 
 
 def tiny_target() -> LoadedModel:
   return LoadedModel(name="tiny", cfg=TINY_SHARDABLE, params=random_params(TINY_SHARDABLE, seed=0))
 
 
-def build_drafter(name: str, target: LoadedModel):
+def build_drafter(name: str, target: LoadedModel, head_dir: str | None = None):
   """A drafter of the registered speculator `name` for `target`, with tiny random heads (or a
-  perturbed copy of the target as draft model) where it needs them. None = plain decoding."""
+  perturbed copy of the target as draft model) where it needs them. None = plain decoding. Heads
+  are made for the target's own config (`logical_cfg`: a padded target's unpadded one); with
+  `head_dir` an MTP head goes through a head file, checked against it when it loads."""
   if name == "plain":
     return None, None
   spec = speculator_spec.get(name)
@@ -66,24 +77,26 @@ def build_drafter(name: str, target: LoadedModel):
   if spec.tree and "depth" in spec.option_names:
     kw.update(TREE)
   if spec.head_format == "specjax-mtp-v1":
-    from specjax.drafters.mtp import init_heads
-    kw["head"] = init_heads(target.cfg, 2, seed=1)
+    from specjax.drafters.mtp import init_heads, save_heads
+    kw["head"] = init_heads(target.logical_cfg, 2, seed=1)
+    if head_dir is not None:
+      kw["head"] = str(save_heads(f"{head_dir}/mtp_head", kw["head"], target.logical_cfg, dtype="float32")[0])
   elif spec.head_format == "specjax-eagle3-v1":
     from specjax.drafters.eagle3 import Eagle3Config, build_d2t, init_head
-    hc = Eagle3Config.make(target.cfg, 12)
+    hc = Eagle3Config.make(target.logical_cfg, 12)
     d2t = build_d2t([np.repeat(np.arange(16), np.arange(16, 0, -1))], target.cfg.vocab_size, 12)
     kw.update(head=init_head(hc, 7, target_params=target.params, d2t=d2t), hc=hc, d2t=d2t)
   elif spec.head_format == "specjax-dflash-v1":
     from specjax.drafters.dflash import DFlashConfig, init_dflash
     dc = DFlashConfig(taps=(0, 1), n_layers=1, block_size=4, window=8)
-    kw["head"] = (init_dflash(target.cfg, dc, seed=3, target_params=target.params), dc)
+    kw["head"] = (init_dflash(target.logical_cfg, dc, seed=3, target_params=target.params), dc)
   elif spec.head_format:
     raise SystemExit(f"no tiny head for head format {spec.head_format!r} ({name})")
   return spec.build(target, draft_params=DraftParams(**dp), **kw), dp
 
 
-def run(target, name, prompts, **kw):
-  drafter, dp = build_drafter(name, target)
+def run(target, name, prompts, head_dir=None, **kw):
+  drafter, dp = build_drafter(name, target, head_dir)
   if drafter is None:
     return api.generate(target, prompts, chat=False, max_new_tokens=MAX_NEW, **kw).tokens
   return api.generate(target, prompts, speculator=drafter, draft_params=dp, chat=False, max_new_tokens=MAX_NEW,
@@ -175,6 +188,37 @@ def train_step(spec: str, tmp: str) -> None:
                     "batch_sharding": str(batch_on(batch(0), mesh)["tokens"].sharding.spec)}), flush=True)
 
 
+def padded(pairs: list[tuple[str, list[str]]], tmp: str) -> None:
+  """Greedy tokens on meshes whose model axis does not divide the KV heads (3): the sharded target
+  runs padded to 4 KV heads, its drafters keep the 3-KV-head config (the MTP head comes from a head
+  file checked against it); each against the one-device plain greedy output, at batch 1."""
+  # seed 1: the first prompt's 8 greedy tokens are all different (drafts are accepted and rejected)
+  target = LoadedModel(name="tiny", cfg=TINY_PADDED, params=random_params(TINY_PADDED, seed=1))
+  prompts = PROMPTS[:1]
+  ref = run(target, "plain", prompts)
+  for spec, names in pairs:
+    sharded = api.shard(target, spec)
+    for name in names:
+      t0 = time.perf_counter()
+      got = run(sharded, name, prompts, head_dir=tmp)
+      print(json.dumps({"kind": "padded", "mesh": spec, "name": name, "ok": got == ref, "ref": ref, "got": got,
+                        "cfg": [sharded.cfg.n_heads, sharded.cfg.n_kv_heads],
+                        "logical": [sharded.logical_cfg.n_heads, sharded.logical_cfg.n_kv_heads],
+                        "s": round(time.perf_counter() - t0, 2)}), flush=True)
+
+
+def real(path: str, spec: str) -> None:
+  """The real checkpoint's plain greedy answer (8 tokens) on one device and sharded over `spec`."""
+  target = api.load(path)
+  prompts = ["What is the capital of France?"]
+  ref = api.generate(target, prompts, max_new_tokens=MAX_NEW).tokens
+  sharded = api.shard(target, spec)
+  got = api.generate(sharded, prompts, max_new_tokens=MAX_NEW).tokens
+  print(json.dumps({"kind": "real", "mesh": spec, "ok": got == ref, "ref": ref, "got": got,
+                    "cfg": [sharded.cfg.n_heads, sharded.cfg.n_kv_heads],
+                    "logical": [sharded.logical_cfg.n_heads, sharded.logical_cfg.n_kv_heads]}), flush=True)
+
+
 def dist(spec: str, names: list[str]) -> None:
   parallel.initialize_from_env()
   target = api.shard(tiny_target(), spec)
@@ -194,6 +238,10 @@ if __name__ == "__main__":
     law(args[0])
   elif mode == "train":
     train_step(args[0], args[1])
+  elif mode == "padded":
+    padded([(m, n.split(",")) for m, n in (p.split(":") for p in args[0].split(";"))], args[1])
+  elif mode == "real":
+    real(args[0], args[1])
   elif mode == "dist":
     dist(args[0], args[1].split(",") if len(args) > 1 else ["plain", "draft", "suffix"])
   else:

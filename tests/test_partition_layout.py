@@ -23,6 +23,8 @@ per decoder layer):
 - model=2 / 4 (and with data=2): Megatron's two all-reduces (after o_proj and down_proj), nothing
   else. Fused columns split as whole parts ([Q | K | V], [gate | up]) would make XLA move the
   projected activations between devices after every fused projection (collective-permutes).
+- the same on model=2 / 4 for a target whose 3 KV heads they do not divide, run padded with zero KV
+  groups to 4 (`parallel.pad_heads`, as `api.shard` runs it): whole groups per device again.
 
 The work runs in a subprocess (this file run as a script) because the device-count flag must be
 set before jax starts and the rest of the suite keeps one device. On one device (in this process):
@@ -43,6 +45,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = (2, 4)
 COLLECTIVE_MESHES = ("data=2", "data=1,model=2", "data=1,model=4", "data=2,model=2", "data=2,model=4")
+PADDED_MESHES = ("data=1,model=2", "data=1,model=4")   # 3 KV heads: padded to 4
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,12 @@ def test_data_axis_decode_step_gathers_nothing_per_layer(worker):
 @pytest.mark.parametrize("mesh", COLLECTIVE_MESHES[1:])
 def test_model_axis_decode_step_has_two_all_reduces_per_layer(worker, mesh):
   got = worker["collectives"][mesh]["per_layer"]
+  assert got == {**{k: 0 for k in got}, "all-reduce": 2}, got
+
+
+@pytest.mark.parametrize("mesh", PADDED_MESHES)
+def test_padded_kv_heads_decode_step_has_two_all_reduces_per_layer(worker, mesh):
+  got = worker["padded_collectives"][mesh]["per_layer"]
   assert got == {**{k: 0 for k in got}, "all-reduce": 2}, got
 
 
@@ -205,6 +214,10 @@ def main() -> None:
     out["layout"][str(m)] = layout
   out["collectives"] = {mesh: decode_step_collectives(cfg, parallel.make_mesh(mesh), batch=4, dtype=jnp.float32)
                         for mesh in COLLECTIVE_MESHES}
+  # 6 query heads in 3 KV groups: compiled as `api.shard` runs it, padded to 4 KV groups
+  odd = cfg.replace(n_heads=6, n_kv_heads=3)
+  out["padded_collectives"] = {mesh: decode_step_collectives(odd, parallel.make_mesh(mesh), batch=4,
+                                                             dtype=jnp.float32) for mesh in PADDED_MESHES}
   print(json.dumps(out), flush=True)
 
 

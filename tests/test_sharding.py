@@ -16,8 +16,14 @@ and the rest of the suite keeps one device. On a tiny random target (8 heads, 4 
 - sampled speculation on a (2, 2) mesh keeps the token law (tests/token_law.py's checker);
 - one MTP head-training step on a (2, 2) mesh (batch on data, frozen target sharded, features
   recomputed in the step) equals the one-device step, and a sharded orbax checkpoint resumes it;
-- two processes (jax.distributed, localhost coordinator, gloo) give the one-process tokens.
-Plus the pure-Python parts in this process: mesh specs, partition specs by path, the head check.
+- two processes (jax.distributed, localhost coordinator, gloo) give the one-process tokens;
+- a target whose 3 KV heads model=2 and 4 do not divide (6 heads) runs padded to 4 KV heads
+  (`parallel.pad_heads`) with the one-device greedy output: plain decoding on both meshes, an MTP
+  head loaded from a head file made for the unpadded config (model=2), an EAGLE-3 tree (model=4);
+  the real SmolLM2-135M (3 KV heads) on model=2 too (float32, plain decoding).
+Plus the parts that need no mesh, in this process: mesh specs, partition specs by path, the head
+check, and the padding itself (shapes, zeros, and a padded model's forward equal to the unpadded
+one for plain, gemma3-style and hybrid gated attention).
 """
 
 from __future__ import annotations
@@ -88,16 +94,116 @@ def test_partition_specs_follow_the_parameter_paths():
   assert spec("lm_head/kernel", (32, 16), m=1) == P()
 
 
-def test_the_model_axis_must_divide_the_heads():
+def test_a_model_axis_that_does_not_divide_the_kv_heads_pads_them_and_whole_groups_are_required():
+  """14 heads / 2 KV heads on model=4: padded to 4 KV heads and 28 heads (whole groups of 7); model=2
+  divides them as they are. Query heads that do not form whole groups (a config ModelConfig itself
+  refuses) cannot be split over any model axis: a UserError."""
+  from types import SimpleNamespace
+
   from specjax.models.config import ModelConfig
   cfg = ModelConfig(arch="llama", vocab_size=16, d_model=32, n_layers=1, n_heads=14, n_kv_heads=2, head_dim=8,
                     ffn_dim=64, rope_theta=1e4, norm_eps=1e-6)
 
   class FakeMesh:
-    shape = {"data": 1, "model": 4}
-  with pytest.raises(UserError, match=r"model=4 does not divide the target's 14 attention heads, 2 KV heads; "
-                                      r"model can be one of 1, 2"):
-    partition.check_target(cfg, FakeMesh())
+    def __init__(self, m):
+      self.shape = {"data": 1, "model": m}
+  partition.check_target(cfg, FakeMesh(4))
+  padded = partition.padded_config(cfg, FakeMesh(4))
+  assert (padded.n_heads, padded.n_kv_heads) == (28, 4) and padded.replace(n_heads=14, n_kv_heads=2) == cfg
+  assert partition.padded_config(cfg, FakeMesh(2)) is cfg
+  with pytest.raises(UserError, match=r"model=4 cannot split the target's attention: its 14 attention heads do not "
+                                      r"form whole groups over its 4 KV heads"):
+    partition.check_target(SimpleNamespace(n_heads=14, n_kv_heads=4), FakeMesh(4))
+  with pytest.raises(ValueError, match="pad them first"):        # placement wants the padded config
+    partition.place_params({}, FakeMesh(4), cfg)
+
+
+def test_a_padded_target_keeps_its_logical_config_and_refuses_head_training():
+  """`LoadedModel.logical_cfg` is the checkpoint's config (what drafters are built for): `cfg` unless
+  the target was padded for a mesh; head training refuses a padded target (it builds the head and
+  runs the target from one config)."""
+  from specjax.models.config import ModelConfig
+  from specjax.models.load import LoadedModel, require_unpadded
+  cfg = ModelConfig(arch="llama", vocab_size=16, d_model=32, n_layers=1, n_heads=6, n_kv_heads=3, head_dim=4,
+                    ffn_dim=64)
+  plain = LoadedModel(name="t", cfg=cfg, params=None)
+  assert plain.logical_cfg is cfg
+  require_unpadded(plain, "MTP head training")
+  padded = LoadedModel(name="t", cfg=partition.with_kv_heads(cfg, 4), params=None, unpadded_cfg=cfg)
+  assert padded.logical_cfg is cfg and (padded.cfg.n_heads, padded.cfg.n_kv_heads) == (8, 4)
+  with pytest.raises(UserError, match="MTP head training needs the target as loaded"):
+    require_unpadded(padded, "MTP head training")
+
+
+def _tiny_hybrid():
+  from specjax.models.hybrid_config import HybridConfig
+  return HybridConfig(arch="qwen3_5", vocab_size=16, d_model=32, n_layers=2, layer_types=("linear", "full"),
+                      n_heads=6, n_kv_heads=3, head_dim=8, ffn_dim=64, lin_k_heads=1, lin_v_heads=2,
+                      lin_k_dim=8, lin_v_dim=8, attn_bias=True, rotary_dim=4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "hybrid"])
+def test_padding_kv_groups_keeps_the_forward(arch):
+  """`pad_heads` 3 -> 4 KV heads (6 -> 8 heads): the padded tree has the padded config's shapes, the
+  checkpoint's values in front and zeros appended (qkv_proj columns and bias: one group of (G+2)*D,
+  or (2G+2)*D for gated attention; o_proj: G*D rows), and the padded model's logits over a prompt
+  equal the unpadded model's (float32, up to summation order); its KV cache holds the unpadded K/V
+  in the first 3 heads and zeros in the fourth. qwen2: QKV bias; gemma3: QK-norm over head_dim
+  shared by the heads, sliding layers; hybrid: gated attention (query | gate per head) beside a
+  DeltaNet layer, which is left as it is."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from conftest import TINY_GEMMA, TINY_LLAMA, random_params
+  from specjax.models import decoder, hybrid
+  from specjax.models.kv_cache import KVCache
+  from specjax.models.recurrent_state import HybridState
+  if arch == "hybrid":
+    cfg, init = _tiny_hybrid(), hybrid.init_params
+    params = init(cfg, seed=0)
+    pure0 = nnx.to_pure_dict(params)
+    for layer in pure0["layers"].values():   # init_params zeroes biases: nonzero ones must not reach a zero group
+      if "self_attn" in layer:
+        layer["self_attn"]["qkv_proj"]["bias"] = jnp.full_like(layer["self_attn"]["qkv_proj"]["bias"], 0.1)
+    nnx.replace_by_pure_dict(params, pure0)
+    run = jax.jit(lambda p, c, t: hybrid.hybrid_forward(p, c, t, HybridState.init(c, 1, 16)), static_argnums=1)
+    kv_of = lambda out: out[2].kv
+    group = 2 * 2 + 2                                                              # 2G+2 head slots
+  else:
+    base = TINY_LLAMA.replace(arch="qwen2", qkv_bias=True) if arch == "qwen2" else TINY_GEMMA
+    cfg, init = base.replace(n_heads=6, n_kv_heads=3, head_dim=4), decoder.init_params
+    params = random_params(cfg, seed=3)
+    run = jax.jit(lambda p, c, t: decoder.forward(p, c, t, KVCache.init(c, 1, 16)), static_argnums=1)
+    kv_of = lambda out: out[2]
+    group = 2 + 2                                                                  # G+2 head slots
+  padded_params, padded = partition.pad_heads(params, cfg, 4)
+  assert (padded.n_heads, padded.n_kv_heads) == (8, 4) and padded.replace(n_heads=6, n_kv_heads=3) == cfg
+  want = init(padded)
+  shape_of = lambda tree: jax.tree_util.tree_map(np.shape, nnx.to_pure_dict(tree))
+  assert shape_of(padded_params) == shape_of(want)
+  before, after = nnx.to_pure_dict(params), nnx.to_pure_dict(padded_params)
+  d = cfg.head_dim
+  for i, layer in after["layers"].items():
+    if "self_attn" not in layer:
+      assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, layer, before["layers"][i]))
+      continue
+    attn, attn0 = layer["self_attn"], before["layers"][i]["self_attn"]
+    for leaf, axis, n in (("qkv_proj/kernel", 1, group * d), ("qkv_proj/bias", 0, group * d),
+                          ("o_proj/kernel", 0, 2 * d)):
+      mod, name = leaf.split("/")
+      if attn[mod].get(name) is None:
+        continue
+      new, old = np.asarray(attn[mod][name]), np.asarray(attn0[mod][name])
+      assert new.shape[axis] == old.shape[axis] + n, (leaf, new.shape, old.shape)
+      np.testing.assert_array_equal(np.take(new, np.arange(old.shape[axis]), axis=axis), old)
+      assert not np.take(new, np.arange(old.shape[axis], new.shape[axis]), axis=axis).any(), leaf
+  tokens = jnp.asarray([[3, 9, 1, 12, 5, 7, 2, 11, 4]], jnp.int32)
+  ref, got = run(params, cfg, tokens), run(padded_params, padded, tokens)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
+  for k, k0 in zip(kv_of(got).k + kv_of(got).v, kv_of(ref).k + kv_of(ref).v):
+    np.testing.assert_allclose(np.asarray(k)[:, :, :3], np.asarray(k0), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(k)[:, :, 3:].any()
 
 
 def test_distributed_settings_come_from_the_environment():
@@ -149,6 +255,28 @@ def test_a_training_step_on_a_mesh_is_the_one_device_step(tmp_path):
   assert np.isclose(row["loss"][0], row["loss"][1], rtol=1e-5), row
   assert row["step_param_diff"] < 1e-3 and row["resume_param_diff"] < 1e-3, row   # lr 1e-2: 10% of a step
   assert row["resumed_from"] == 1, row
+
+
+def test_kv_heads_the_model_axis_does_not_divide_are_padded_and_give_the_one_device_tokens(tmp_path):
+  """6 heads / 3 KV heads, batch 1, 8 new tokens: plain decoding on model=2 and 4, an MTP head (from a
+  head file made for the 3-KV-head config: the drafter keeps it while the target runs padded) on
+  model=2, an EAGLE-3 tree on model=4."""
+  rows = _worker("padded", "data=1,model=2:plain,mtp;data=1,model=4:plain,eagle3_tree", str(tmp_path))
+  assert [(r["mesh"][7:], r["name"]) for r in rows] == [("model=2", "plain"), ("model=2", "mtp"),
+                                                         ("model=4", "plain"), ("model=4", "eagle3_tree")], rows
+  assert all(r["cfg"] == [8, 4] and r["logical"] == [6, 3] for r in rows), rows
+  assert len(set(rows[0]["ref"][0])) > 4, rows[0]      # a varied output, not one token repeated
+  bad = [f"{r['name']} mesh {r['mesh']}: {r['got']} != {r['ref']}" for r in rows if not r["ok"]]
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.real
+def test_smollm2_shards_over_model_2_padded_with_the_one_device_tokens(smollm2_path):
+  """The real SmolLM2-135M (9 heads, 3 KV heads) on model=2 runs padded to 12 heads / 4 KV heads and
+  answers a chat prompt with the one-device greedy tokens (float32, 8 tokens)."""
+  (row,) = _worker("real", str(smollm2_path), "data=1,model=2")
+  assert row["cfg"] == [12, 4] and row["logical"] == [9, 3], row
+  assert row["ok"] and len(row["ref"][0]) == 8, row
 
 
 def _free_port() -> int:

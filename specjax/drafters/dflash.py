@@ -346,7 +346,7 @@ def drafter_for_target(target, head, *, block_size: int | None = None,
   a trained drafter (path, or (params, config)) for a loaded target."""
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   if isinstance(head, (str, Path)):
-    dparams, dc, _ = load_dflash(head, target.cfg, dtype=dtype)
+    dparams, dc, _ = load_dflash(head, target.logical_cfg, dtype=dtype)
   else:
     dparams, dc = head
     dparams = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), dparams)
@@ -364,5 +364,5 @@ def make_dflash_drafter(target, head, draft_params=None, *, block_size: int | No
     n_max = int(np.max(np.asarray(draft_params.n_max)))
   if n_max > dc.block_size - 1:
     raise UserError(f"n_max {n_max} exceeds the block's {dc.block_size - 1} drafts; raise block_size")
-  return DFlashDrafter(cfg=target.cfg, dc=dc, max_draft=max(n_max, 1), seed=seed,
+  return DFlashDrafter(cfg=target.logical_cfg, dc=dc, max_draft=max(n_max, 1), seed=seed,
                        weights={"dflash": dparams, "target": target.params})

@@ -117,5 +117,5 @@ def make_dflash_tree_drafter(target, head, draft_params=None, *, depth: int = 8,
   caps the depth per sequence at verification, not the budget; `block_size` and `window` override
   the trained ones."""
   dparams, dc = drafter_for_target(target, head, block_size=block_size, window=window)
-  return DFlashTreeDrafter(cfg=target.cfg, dc=dc, max_draft=node_budget(n_nodes, depth, top_k), depth=depth,
+  return DFlashTreeDrafter(cfg=target.logical_cfg, dc=dc, max_draft=node_budget(n_nodes, depth, top_k), depth=depth,
                            top_k=top_k, seed=seed, weights={"dflash": dparams, "target": target.params})

@@ -255,7 +255,7 @@ def make_eagle3_drafter(target, head, draft_params=None, *, tree: bool = False, 
   (trees), seed."""
   dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
   if isinstance(head, (str, Path)):
-    hp, d2t, hc, _ = load_head(head, target.cfg, dtype=dtype)
+    hp, d2t, hc, _ = load_head(head, target.logical_cfg, dtype=dtype)
   else:
     hp = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), head)
   weights = {"head": hp, "d2t": jnp.asarray(d2t, jnp.int32), "target": target.params}

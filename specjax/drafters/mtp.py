@@ -365,16 +365,16 @@ def make_mtp_drafter(target, head, draft_params=None, **opts) -> MTPDrafter:
   cast = lambda tree: jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), tree)
   extra = {}
   if isinstance(head, (str, Path)) and mtp_reference.is_reference_folder(head):
-    heads, outs, style, _ = mtp_reference.load_reference(head, target.cfg, dtype=dtype)
+    heads, outs, style, _ = mtp_reference.load_reference(head, target.logical_cfg, dtype=dtype)
     extra, opts = {"out": outs}, {"style": style, **opts}
   elif isinstance(head, tuple) and len(head) == 3 and isinstance(head[2], str):
     heads, extra, opts = cast(head[0]), {"out": cast(head[1])}, {"style": head[2], **opts}
   elif isinstance(head, (str, Path)):
-    heads, _ = load_heads(head, target.cfg, dtype=dtype)
+    heads, _ = load_heads(head, target.logical_cfg, dtype=dtype)
   else:
     heads = tuple(cast(h) for h in head)
   n_max = 4
   if draft_params is not None:
     n_max = int(np.max(np.asarray(draft_params.n_max)))
-  return MTPDrafter(cfg=target.cfg, n_heads=len(heads), max_draft=max(n_max, 1),
+  return MTPDrafter(cfg=target.logical_cfg, n_heads=len(heads), max_draft=max(n_max, 1),
                     weights={"heads": tuple(heads), "target": target.params, **extra}, **opts)

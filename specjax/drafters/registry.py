@@ -124,14 +124,14 @@ def _example_draft_model(target, workdir, **tree):
 
 def _example_mtp(target, workdir):
   from specjax.drafters.mtp import init_heads
-  return {"head": init_heads(target.cfg, 2, seed=1)}
+  return {"head": init_heads(target.logical_cfg, 2, seed=1)}
 
 
 def _example_eagle3(target, workdir, **tree):
   from specjax.drafters.eagle3 import Eagle3Config, build_d2t, init_head
   v = target.cfg.vocab_size
   draft_vocab = max(2, (3 * v) // 4)
-  hc = Eagle3Config.make(target.cfg, draft_vocab)
+  hc = Eagle3Config.make(target.logical_cfg, draft_vocab)
   d2t = build_d2t([np.repeat(np.arange(v), np.arange(v, 0, -1))], v, draft_vocab)   # frequent = low ids
   return {"head": init_head(hc, 7, target_params=target.params, d2t=d2t), "hc": hc, "d2t": d2t, **tree}
 
@@ -140,7 +140,7 @@ def _example_dflash(target, workdir, **tree):
   from specjax.drafters.dflash import DFlashConfig, init_dflash
   taps = tuple(sorted({0, target.cfg.n_layers - 1}))
   dc = DFlashConfig(taps=taps, n_layers=1, block_size=5, window=8)
-  return {"head": (init_dflash(target.cfg, dc, seed=3, target_params=target.params), dc), **tree}
+  return {"head": (init_dflash(target.logical_cfg, dc, seed=3, target_params=target.params), dc), **tree}
 
 
 def _example_small_ngram(target, workdir):

@@ -219,7 +219,10 @@ class DecoderTarget:
 
 # The target's pieces for drafters and head training. They run the XLA path even for an invariant
 # target: a draft needs no bitwise agreement with verification (the target's own `forward` decides
-# what is emitted), and the batch-invariant kernels would only slow drafting down.
+# what is emitted), and the batch-invariant kernels would only slow drafting down. They read only
+# the embedding, final norm and LM head, so a drafter passes the checkpoint's config even for a
+# target padded with zero KV groups for a mesh (`parallel.pad_heads`): the attention layers the
+# merged module declares with fewer heads are never called.
 
 
 def _drafting_model(params, cfg: ModelConfig) -> Transformer:

@@ -15,7 +15,13 @@ from specjax.models.weights import params_from_hf
 
 @dataclasses.dataclass
 class LoadedModel:
-  """A model ready to run: static config, parameter pytree, and (when known) its tokenizer."""
+  """A model ready to run: static config, parameter pytree, and (when known) its tokenizer.
+
+  `cfg` is what `params` hold and what the model's forward and KV cache run with. On a mesh whose
+  model axis does not divide the KV heads, `api.shard` pads the target with zero KV groups
+  (`parallel.pad_heads`: same output, a KV cache larger by padded / real KV heads): `cfg` is then
+  the padded config and `unpadded_cfg` the checkpoint's own, which drafters are built for and head
+  files are checked against (`logical_cfg`)."""
   name: str
   cfg: ModelConfig          # or a HybridConfig (specjax.models.hybrid_config) for hybrid targets
   params: Any
@@ -23,6 +29,22 @@ class LoadedModel:
   source: str = ""
   context_length: int | None = None   # trained positions (max_position_embeddings); None = unknown
   mesh: Any = None          # the jax.sharding.Mesh its params are sharded over (specjax.parallel); None = one device
+  unpadded_cfg: Any = None  # the checkpoint's config when `cfg` has zero KV groups added for `mesh`; None = cfg
+
+  @property
+  def logical_cfg(self):
+    """The checkpoint's own config (its real heads and KV heads): what drafters (MTP, EAGLE-3,
+    DFlash heads) are built for and their head files checked against. `cfg` itself unless padded."""
+    return self.unpadded_cfg if self.unpadded_cfg is not None else self.cfg
+
+
+def require_unpadded(target: LoadedModel, what: str) -> None:
+  """A UserError when `target` runs with zero-padded KV groups (`api.shard` on a model axis that does
+  not divide its KV heads): head training runs the target and builds the head from one config."""
+  if getattr(target, "unpadded_cfg", None) is not None:
+    from specjax.errors import UserError
+    raise UserError(f"{what} needs the target as loaded (its KV heads padded for a mesh here): load it "
+                    "without a mesh (`specjax.train.loop.train(..., mesh=)` shards the training step)")
 
 
 def resolve_path(name_or_path: str) -> Path:

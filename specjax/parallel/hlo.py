@@ -30,8 +30,9 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 def decode_step_hlo(cfg, mesh: Mesh, batch: int, capacity: int = 128, dtype=jnp.bfloat16) -> str:
   """The compiled HLO text of one plain decode step (`engine.decode.decode_step`) of a target of
-  `cfg` with its parameters sharded over `mesh` as `place_params` shards them and the loop state
-  as the decode loop constrains it (`state_specs`), at `batch` sequences and `capacity` cache slots."""
+  `cfg` with its parameters sharded over `mesh` as `api.shard` shards them (`place_target`: KV heads
+  the model axis does not divide padded with zero groups, `padded_config`) and the loop state as the
+  decode loop constrains it (`state_specs`), at `batch` sequences and `capacity` cache slots."""
   from flax import nnx
 
   from specjax.engine.decode import decode_step
@@ -40,8 +41,9 @@ def decode_step_hlo(cfg, mesh: Mesh, batch: int, capacity: int = 128, dtype=jnp.
   from specjax.models.decoder import Transformer
   from specjax.models.kv_cache import KVCache
   from specjax.parallel.mesh import DATA, MODEL, axis_size
-  from specjax.parallel.partition import constrain_state, param_shardings, state_specs
+  from specjax.parallel.partition import constrain_state, padded_config, param_shardings, state_specs
 
+  cfg = padded_config(cfg, mesh)
   params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))[1]
   state = jax.eval_shape(lambda: GenState(
       cache=KVCache.init(cfg, batch, capacity, dtype), history=jnp.zeros((batch, capacity), jnp.int32),

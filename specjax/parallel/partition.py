@@ -21,14 +21,23 @@ sharded run computes what the one-device run computes, up to the order of float 
 Note on the fused projections: the output columns of `qkv_proj` are grouped per KV head (for KV
 head g: its query heads, K_g, V_g) and those of `gate_up_proj` interleaved per MLP unit (gate_j,
 up_j), one order whatever the mesh (`models/layers.py`, written so by the loaders). A contiguous
-split over "model" then gives each device whole KV groups (`check_target` requires model to divide
-the KV heads) and the gate and up columns of the same units, so a decoder layer costs Megatron's
-2 all-reduces and nothing else. Split as whole parts ([Q | K | V], [gate | up]), one device would
+split over "model" then gives each device whole KV groups (the model axis divides the KV heads, which
+are padded where it does not: below) and the gate and up columns of the same units, so a decoder
+layer costs Megatron's 2 all-reduces and nothing else. Split as whole parts ([Q | K | V], [gate | up]), one device would
 hold all of Q and another K and V, and XLA would move the projected activations to where attention
 and the gated product need them (collective-permutes after every fused projection). A hybrid
 target's gated attention groups its `qkv_proj` (query | gate per head, K, V) per KV head the same
 way (`models/hybrid.py`); its DeltaNet projections are not split (replicated). tests/test_partition_layout.py checks the shard contents from the loaded weights and the
 collectives of a compiled decode step.
+
+Note on KV heads the model axis does not divide (SmolLM2-135M: 3 KV heads, model=2 or 4):
+`place_target` first appends whole zero KV groups to every attention layer (`pad_heads`), up to
+the next multiple of the model axis (3 -> 4 KV heads, 9 -> 12 query heads), and the target then runs
+with the padded config. A zero group's queries, keys and values are zero, so its attention output
+is zero, and its o_proj rows are zero: every layer computes what the unpadded one computes (up to
+the order of float sums). The price is the padding itself: the KV cache, the QKV projection and
+attention grow by padded / real KV heads (4/3 for SmolLM2 on model=2 or 4; a warning says so
+when it happens). Drafters keep the checkpoint's own config (`LoadedModel.logical_cfg`).
 
 Note on per-row writes under "data": XLA keeps a scatter into batch-sharded state local only when
 the batch is a batching dimension of the scatter (a `jax.vmap` of the one-row update), as
@@ -42,14 +51,18 @@ collectives of a compiled decode step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.errors import UserError
 from specjax.parallel.mesh import DATA, MODEL, axis_size
+
+log = logging.getLogger(__name__)
 
 # (module name, leaf name) -> the axis of the leaf split over "model"
 TENSOR_PARALLEL = {
@@ -79,23 +92,85 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...], model: int) -> P:
 
 
 def check_target(cfg, mesh: Mesh | None, what: str = "the target") -> None:
-  """A UserError unless the model axis divides the attention heads and KV heads of `cfg` (each
-  device must hold whole heads of the KV cache and of the attention it feeds)."""
+  """A UserError unless `cfg`'s attention can be split over the model axis: each device holds whole
+  KV groups (a KV head with its query heads), so the query heads must form whole groups. A model
+  axis that does not divide the KV heads is no error: `place_target` pads them (`pad_heads`)."""
   m = axis_size(mesh, MODEL)
   if m == 1:
     return
-  bad = [(n, getattr(cfg, a)) for n, a in (("attention heads", "n_heads"), ("KV heads", "n_kv_heads"))
-         if getattr(cfg, a, None) and getattr(cfg, a) % m]
-  if bad:
-    ok = [d for d in range(1, max(cfg.n_kv_heads, 1) + 1) if cfg.n_heads % d == 0 and cfg.n_kv_heads % d == 0]
-    have = ", ".join(f"{v} {n}" for n, v in bad)
-    raise UserError(f"mesh model={m} does not divide {what}'s {have}; model can be one of "
-                    f"{', '.join(map(str, ok))}")
+  h, kvh = cfg.n_heads, cfg.n_kv_heads
+  if kvh < 1 or h % kvh:
+    raise UserError(f"mesh model={m} cannot split {what}'s attention: its {h} attention heads do not "
+                    f"form whole groups over its {kvh} KV heads")
 
 
 def divides_heads(cfg, mesh: Mesh | None) -> bool:
   m = axis_size(mesh, MODEL)
   return all(getattr(cfg, a, 1) % m == 0 for a in ("n_heads", "n_kv_heads"))
+
+
+def with_kv_heads(cfg, n_kv_heads: int):
+  """`cfg` with `n_kv_heads` KV heads, each with its group of n_heads / cfg.n_kv_heads query heads."""
+  return cfg.replace(n_heads=n_kv_heads * (cfg.n_heads // cfg.n_kv_heads), n_kv_heads=n_kv_heads)
+
+
+def padded_config(cfg, mesh: Mesh | None):
+  """The config a target of `cfg` runs with on `mesh`: its KV heads rounded up to a multiple of the
+  model axis (query heads with them, whole groups); `cfg` itself when the axis divides them."""
+  m = axis_size(mesh, MODEL)
+  kvh = -(-cfg.n_kv_heads // m) * m
+  return cfg if kvh == cfg.n_kv_heads else with_kv_heads(cfg, kvh)
+
+
+# (module, leaf) -> the axis that grows when KV groups are appended (`pad_heads`)
+_PADDED = {("self_attn", "qkv_proj", "kernel"): 1, ("self_attn", "qkv_proj", "bias"): 0,
+           ("self_attn", "o_proj", "kernel"): 0}
+
+
+def pad_heads(params, cfg, n_kv_heads: int):
+  """(params, cfg) of the same function with whole zero KV groups appended to every attention layer,
+  up to `n_kv_heads` KV heads and n_kv_heads * G query heads (G = n_heads / n_kv_heads, the group
+  size, unchanged). With W = (G+2)*D fused columns per group ((2G+2)*D for a hybrid target's gated
+  attention: query | gate per head, `hybrid.gated_qkv_layout`) and KVH' = n_kv_heads:
+
+      .../self_attn/qkv_proj/kernel  [d_model, KVH*W] -> [d_model, KVH'*W]   zero columns appended
+      .../self_attn/qkv_proj/bias    [KVH*W]          -> [KVH'*W]            zeros appended
+      .../self_attn/o_proj/kernel    [H*D, d_model]   -> [H'*D, d_model]     zero rows appended
+
+  Everything else (norms, including gemma3's / qwen3's q_norm and k_norm, shared by all heads over
+  head_dim; o_proj's bias, [d_model]; the MLP; a hybrid target's DeltaNet) is kept as it is. The
+  fused qkv columns are grouped per KV head (`layers.qkv_layout`: for KV head g, its G query heads,
+  K_g, V_g), so the appended columns are the groups KVH..KVH'-1 of the padded config, and their
+  query heads are the heads H..H'-1 whose o_proj rows are appended. Such a group's queries, keys
+  and values are zero: its attention scores are all equal, its softmax-weighted sum of zero values
+  is zero (gated: zero times the sigmoid gate), and its o_proj rows add zero, so the padded model
+  computes what `params` computes (up to the order of float sums), while its KV cache, QKV
+  projection and attention grow by KVH'/KVH. Host arrays (numpy, or jax arrays on the CPU) are
+  padded on the host, so `put` still cuts them there; device arrays are padded where they live."""
+  from specjax.models.weights import fused_layout
+  if n_kv_heads < cfg.n_kv_heads:
+    raise ValueError(f"cannot pad {cfg.n_kv_heads} KV heads down to {n_kv_heads}")
+  padded = with_kv_heads(cfg, n_kv_heads)
+  sizes, groups = fused_layout(cfg)["qkv_proj"]
+  per_group = {"qkv_proj": sum(sizes) // groups,                                   # W fused columns
+               "o_proj": cfg.head_dim * (cfg.n_heads // cfg.n_kv_heads)}           # G*D rows
+  grow = n_kv_heads - cfg.n_kv_heads
+
+  def pad(path, x):
+    names = path_names(path)
+    axis = _PADDED.get(tuple(names[-3:]))
+    if axis is None or grow == 0:
+      return x
+    per = per_group[names[-2]]
+    if np.shape(x)[axis] != cfg.n_kv_heads * per:
+      raise ValueError(f"{'/'.join(names)} has shape {np.shape(x)}, not {cfg.n_kv_heads} KV groups of {per}")
+    shape = list(np.shape(x))
+    shape[axis] = grow * per
+    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and _on_host(x)):
+      host = np.asarray(x)
+      return np.concatenate([host, np.zeros(shape, host.dtype)], axis=axis)
+    return jnp.concatenate([x, jnp.zeros(shape, x.dtype)], axis=axis)
+  return jax.tree_util.tree_map_with_path(pad, params), padded
 
 
 def param_shardings(params, mesh: Mesh, replicate: bool = False):
@@ -130,10 +205,32 @@ def place(tree, shardings):
 
 
 def place_params(params, mesh: Mesh, cfg=None, *, what: str = "the target"):
-  """Target (or draft-model) parameters sharded over `mesh` (heads checked against `cfg` first)."""
+  """Target (or draft-model) parameters sharded over `mesh`; with `cfg`, checked first: the model
+  axis must divide its KV heads (`place_target` pads them first where it does not)."""
   if cfg is not None:
     check_target(cfg, mesh, what)
+    if not divides_heads(cfg, mesh):
+      raise ValueError(f"mesh model={axis_size(mesh, MODEL)} does not divide {what}'s {cfg.n_kv_heads} KV heads: "
+                       "pad them first (`place_target`)")
   return place(params, param_shardings(params, mesh))
+
+
+def place_target(params, cfg, mesh: Mesh, *, what: str = "the target"):
+  """(params, cfg) of a target sharded over `mesh`. Where the model axis does not divide its KV heads,
+  the target is first padded with zero KV groups to the next multiple of the model axis
+  (`pad_heads`: same output), and the returned cfg is the padded one, which the target's forward and
+  its KV cache must then use (drafters keep the checkpoint's own, `LoadedModel.logical_cfg`). The
+  padding costs KV-cache memory, QKV-projection and attention work in proportion (padded / real KV
+  heads); a warning says so."""
+  check_target(cfg, mesh, what)
+  padded = padded_config(cfg, mesh)
+  if padded != cfg:
+    ratio = padded.n_kv_heads / cfg.n_kv_heads
+    log.warning(f"mesh model={axis_size(mesh, MODEL)} does not divide {what}'s {cfg.n_kv_heads} KV heads: padded "
+                f"with zero KV groups to {padded.n_kv_heads} KV heads / {padded.n_heads} attention heads (same "
+                f"output); its KV cache, QKV projection and attention grow {ratio:.2f}x")
+    params, padded = pad_heads(params, cfg, padded.n_kv_heads)
+  return place_params(params, mesh, padded, what=what), padded
 
 
 def replicate(tree, mesh: Mesh):
@@ -148,8 +245,9 @@ def replicate(tree, mesh: Mesh):
 def place_drafter(drafter, target_params, mesh: Mesh | None):
   """A device drafter whose arrays live on `mesh`: the target's parameters it reads (MTP, EAGLE-3,
   DFlash) are the target's own sharded arrays, a draft model is sharded like a target when the
-  model axis divides its heads (else replicated), trained heads are replicated (a few small
-  matrices per draft step: splitting them would add a collective per step for little memory).
+  model axis divides its heads (else replicated: a draft model is small, and is not padded as a
+  target is by `place_target`), trained heads are replicated (a few small matrices per draft step:
+  splitting them would add a collective per step for little memory).
   Host drafters, chains and drafters without weights are returned as they are."""
   if mesh is None or not hasattr(drafter, "weights") or drafter.weights is None:
     return drafter

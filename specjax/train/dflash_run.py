@@ -183,12 +183,13 @@ def run_training(spec: DFlashTrainSpec, *, resume: bool = True, progress: bool =
   seconds) is when the run began, for `wall_budget_s` (default: now); `data_log` (how the data was
   built) goes into the summary."""
   from specjax.bench.env import device_info, git_revision
-  from specjax.models.load import load_model
+  from specjax.models.load import load_model, require_unpadded
   from specjax.train.data import ShardDataset
 
   t_start = time.perf_counter() if t_start is None else t_start
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
+  require_unpadded(target, "DFlash drafter training")
   cfg = target.cfg
   dc = spec.drafter.resolve(cfg)
   dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]

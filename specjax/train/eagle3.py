@@ -270,7 +270,7 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
   """Build the datasets of `spec` if needed (resumable), train the head, export it; return a
   summary (also `out_dir/summary.json`)."""
   from specjax.bench.env import device_info, git_revision
-  from specjax.models.load import load_model
+  from specjax.models.load import load_model, require_unpadded
   from specjax.train.data import ShardDataset
   from specjax.train.loop import plot_metrics, train
 
@@ -278,6 +278,7 @@ def run_training(spec: Eagle3TrainSpec, *, resume: bool = True, progress: bool =
   deadline = t_start + spec.wall_budget_s if spec.wall_budget_s else None
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
+  require_unpadded(target, "EAGLE-3 head training")
   cfg = target.cfg
   dcs, built = (spec.data,) + spec.extra_data, {}
   if build_data:

@@ -205,12 +205,13 @@ def run_training(spec: MTPTrainSpec, *, resume: bool = True, progress: bool = Tr
   """Train the head of `spec` on its dataset; export it; return a summary (also written as
   `out_dir/summary.json`)."""
   from specjax.bench.env import device_info, git_revision
-  from specjax.models.load import load_model
+  from specjax.models.load import load_model, require_unpadded
   from specjax.train.data import ShardDataset
   from specjax.train.loop import train
 
   dtype = jnp.dtype(spec.dtype)
   target = target or load_model(spec.target, dtype=dtype, progress=progress)
+  require_unpadded(target, "MTP head training")
   cfg = target.cfg
   dirs = [spec.data.dir] + [e.dir for e in spec.extra_data]
   ds = ShardDataset(dirs)
