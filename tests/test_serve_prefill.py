@@ -58,7 +58,8 @@ def test_requests_arriving_together_prefill_in_one_call(offline, speculator):
   sched, calls = _counted_scheduler(speculator)
   chunked = sched.engine.chunked
   assert chunked == (speculator is None)
-  sched.prefill_budget = 4 * 64 if chunked else 4 * 128     # room for the four first rows in one call
+  # per round of a 4-round call: room for the four first rows in one call, no more
+  sched.prefill_budget = 64 if chunked else 128
   events = {i: [] for i in range(6)}
   for i in range(4):
     sched.submit(GenRequest(PROMPTS[i], max_tokens=MAX_NEW[i]), events[i].append)
@@ -108,7 +109,7 @@ def test_piece_widths_are_the_widths_pieces_pad_to():
   assert piece_widths(64, 200) == [64, 128, 200] and piece_widths(256, 200) == [64, 128, 192, 200]
 
 
-def test_no_compilation_after_warm_up():
+def test_no_compilation_after_warm_up(fresh_compiles):
   """After `warm()`, requests joining together (one-pass MTP prefill: whole prompts of 5-90 tokens,
   several rows per call) and the rounds that follow compile nothing: the server's
   specjax_compiles_total stays where warm-up left it (a compile mid-serving stalls every slot)."""
@@ -117,7 +118,7 @@ def test_no_compilation_after_warm_up():
   sched, calls = _counted_scheduler("mtp")
   seen = []
   jax.monitoring.register_event_duration_secs_listener(lambda name, s, **_: seen.append(s) if name == COMPILE_EVENT else None)
-  sched.prefill_budget = 4 * 128       # the four first prompts in one call
+  sched.prefill_budget = 128           # per round of a 4-round call: the four first prompts in one call
   sched.warm()
   before, compiled = len(seen), sched.metrics.compiles._value.get()
   events = {i: [] for i in range(6)}
@@ -136,7 +137,7 @@ def test_no_compilation_after_warm_up():
 
 
 @pytest.mark.parametrize("speculator", ["mtp", "suffix", "dflash_tree_adaptive"])
-def test_warm_up_compiles_every_program_ahead(monkeypatch, speculator):
+def test_warm_up_compiles_every_program_ahead(monkeypatch, speculator, fresh_compiles):
   """`warm` compiles its prefill and round programs in worker threads first (`compile_ahead`,
   two at a time here); the calls that follow find them compiled: the only XLA compilation after
   `compile_ahead` is the program that frees slots. A device drafter with one-pass prefill (MTP),

@@ -22,8 +22,12 @@ one engine call (`SlotEngine.prefill`; a piece is at most one chunk where the dr
 chunks, else the whole prompt). A call's work is the tokens its program computes, rows bucket x
 widest piece (`joining.plan`). Between two calls of rounds the scheduler runs prefill calls, the
 joining requests in arrival order, while their work stays within `prefill_budget` tokens per
-round the last call ran (default: one chunk per round); the first call of an iteration always
-runs (at least its first request), so a prompt longer than the budget still progresses.
+round of the call that follows once they have joined (default: one chunk per round, times the
+engine's `rounds_max`, or the rounds that fit `call_ms`); the first call of an iteration always
+runs (at least its first request), so a prompt longer than the budget still progresses. Budgeting
+by the next call's rounds rather than the last call's matters when many requests arrive at once:
+the calls that run while requests join are one round long, and a budget of one chunk per round of
+those would admit a few prompts per iteration, each paying a whole call's fixed cost for a round.
 """
 
 from __future__ import annotations
@@ -163,8 +167,7 @@ class Scheduler:
       raise ValueError(f"call_ms must be > 0 (or None), got {call_ms!r}")
     self.engine = engine
     self.max_queue = max_queue
-    self.prefill_budget = prefill_budget or engine.chunk   # prefill work (tokens computed) per round of the last call
-    self._last_rounds = 1                                  # rounds the last call ran
+    self.prefill_budget = prefill_budget or engine.chunk   # prefill work (tokens computed) per round of the next call
     self.call_ms = call_ms
     self._round_ms: dict[int, float] = {}                  # batch bucket -> ms per round of its calls, host included
     self.metrics = metrics
@@ -261,7 +264,6 @@ class Scheduler:
     if self.running():
       out = self.engine.step(self._next_rounds())
       seconds = time.perf_counter() - t0
-      self._last_rounds = max(1, out.rounds)
       self._observe_call(out.batch, seconds, out.rounds)
     self._first_tokens()
     if out is not None:
@@ -329,14 +331,15 @@ class Scheduler:
 
   def _admit(self) -> None:
     """Start joining for waiting requests while slots are free, then run prefill calls within the
-    budget (module docstring): `prefill_budget` tokens of work per round the last call ran."""
+    budget (module docstring): `prefill_budget` tokens of work per round of the call that runs once
+    they have joined."""
     free = self._free_slots()
     with self._lock:
       while free and self._waiting:
         h = self._waiting.popleft()
         h.slot = free.pop(0)
         self._joining.append((h, self._begin_join(h)))
-    budget, first = self.prefill_budget * self._last_rounds, True
+    budget, first = self.prefill_budget * self._rounds_in_budget(self.engine.rounds_max), True
     while self._joining:
       batch, work = self.engine.plan_prefill([j for _, j in self._joining], budget, force=first)
       if not batch:
