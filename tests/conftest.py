@@ -18,13 +18,48 @@ from typing import Any
 # The cache's own tests run it in subprocesses (tests/test_compile_cache.py).
 os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 
-import jax
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+# One persistent compilation cache for the whole test run, in a temporary folder shared by the
+# pytest-xdist workers (they inherit the controller's environment) and removed at the end: the
+# suite's time is mostly XLA compiling on the CPU, and many modules compile the same programs
+# (tiny targets, the engine's loops), which `_free_compiled_programs` drops after every module.
+# SPECJAX_TEST_COMPILE_CACHE=0 turns it off.
+if os.environ.get("SPECJAX_TEST_COMPILE_CACHE", "1") == "1":
+  if not os.environ.get("SPECJAX_TEST_CACHE_DIR"):
+    os.environ["SPECJAX_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-xla-cache-")
+    os.environ["SPECJAX_TEST_CACHE_OWNER"] = str(os.getpid())
+  jax.config.update("jax_compilation_cache_dir", os.environ["SPECJAX_TEST_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """The run's compilation cache goes with the process that made it (the controller under xdist)."""
+  if os.environ.get("SPECJAX_TEST_CACHE_OWNER") == str(os.getpid()):
+    import shutil
+    shutil.rmtree(os.environ.get("SPECJAX_TEST_CACHE_DIR", ""), ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_compiles():
+  """No persistent compilation cache during the test: every program it builds is compiled, so a
+  test that counts XLA compilations (jax.monitoring events) counts them all."""
+  from jax.experimental.compilation_cache import compilation_cache
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_enable_compilation_cache", was)
+  compilation_cache.reset_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")
