@@ -28,6 +28,13 @@ line per mesh, the plain step dashed) come at the end, or from a JSON with --plo
   python experiments/sharded_round_cost.py --batches 64 --resume --out $OUT/sharded_round_cost.json
   python experiments/sharded_round_cost.py --tiny --batches 1 2 --k 1 2 --tree-nodes 4 \\
       --out /tmp/round_cost_tiny.json     # CPU dry run: a tiny float32 target, 8 simulated devices
+  python experiments/sharded_round_cost.py --merge A.json B.json --out $OUT/sharded_round_cost.json
+
+Meshes on disjoint GPUs can be measured at once by separate processes (one device on GPU 0 while
+model=2 runs on GPUs 1-2, each with its own CUDA_VISIBLE_DEVICES and --out; each row records the
+GPUs it ran on and whether other rows ran beside it); --merge then joins their rows (the first
+file's rows win where two measured the same row) into --out, keeping the first file's config.
+experiments/gpu/round_cost.sh runs such groups.
 """
 
 from __future__ import annotations
@@ -120,7 +127,8 @@ class RoundCost:
     r = {**key, "label": label(method, width), "ms_per_round": round(ms, 3), "rounds": rounds, "tokens": tokens,
          "tau": round(tau, 3), "ms_per_token": round(1e3 * out.seconds / max(tokens / batch, 1e-9), 3),
          "ratio_to_plain": round(ms / plain["ms_per_round"], 3) if plain else None,
-         "seconds": round(out.seconds, 4), "first_call_s": round(first, 1), "git_revision": self.meta["git_revision"]}
+         "seconds": round(out.seconds, 4), "first_call_s": round(first, 1), "git_revision": self.meta["git_revision"],
+         "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all"), "beside": os.environ.get("SPECJAX_BESIDE", "")}
     self.rows.append(r)
     print(json.dumps(r), flush=True)
 
@@ -135,8 +143,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model-sizes", type=int, nargs="+", default=[1, 2, 4], help="model axis sizes (those that fit)")
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-  ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8], help="EAGLE-3 chain draft lengths")
-  ap.add_argument("--tree-nodes", type=int, nargs="+", default=[16, 32, 64], help="eagle3_tree node budgets")
+  ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 4, 8], help="EAGLE-3 chain draft lengths")
+  ap.add_argument("--tree-nodes", type=int, nargs="*", default=[16, 32, 64], help="eagle3_tree node budgets")
   ap.add_argument("--tree-depth", type=int, default=6)
   ap.add_argument("--tree-top-k", type=int, default=8)
   ap.add_argument("--draft-vocab", type=int, default=32000, help="the head's vocabulary (EAGLE-3 Llama-3.1-8B: 32000)")
@@ -147,7 +155,14 @@ def main(argv=None) -> int:
   ap.add_argument("--resume", action="store_true", help="keep the rows of an existing --out, measure the rest")
   ap.add_argument("--out", required=True)
   ap.add_argument("--plot-only", action="store_true", help="print the summary and draw the PNG of --out")
+  ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                  help="join the rows of these files (runs on disjoint GPUs) into --out, then report")
   args = ap.parse_args(argv)
+  if args.merge:
+    merged = merge([json.loads(Path(f).read_text()) for f in args.merge if Path(f).exists()])
+    Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+    report(merged, Path(args.out).with_suffix(".png"))
+    return 0
   if args.plot_only:
     report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     return 0
@@ -165,7 +180,8 @@ def main(argv=None) -> int:
   prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, args.prompt_len)] for _ in range(max(args.batches))]
   n_dev = jax.device_count()
   meta = {"config": vars(args), "git_revision": git_revision(), "device": device_info(),
-          "target": {"name": target.name, "cfg": repr(cfg)}, "head": repr(hc)}
+          "target": {"name": target.name, "cfg": repr(cfg)}, "head": repr(hc),
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
   rows = []
   if args.resume and Path(args.out).exists():
     old = json.loads(Path(args.out).read_text())
@@ -189,6 +205,25 @@ def main(argv=None) -> int:
   bench.write()
   report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
   return 0
+
+
+def merge(outs: list[dict]) -> dict:
+  """One result from several runs' (the first's config and device; every row once, the first
+  file's where two measured it; a row's `gpus` says where it ran). The device count is the most
+  any run saw: the machine's, when the runs split its GPUs."""
+  if not outs:
+    raise SystemExit("--merge: none of the files exists")
+  key = lambda r: (r["mesh"], r["batch"], r["method"], r["width"])
+  rows: dict = {}
+  for o in outs:
+    for r in o["rows"]:
+      rows.setdefault(key(r), r)
+  # a skip stays unless a row was measured where it points (a mesh one run lacked GPUs for, another ran)
+  hit = lambda s: any(all(r.get(k) == v for k, v in s.items() if k != "why") for r in rows.values())
+  skipped = [s for o in outs for s in o.get("skipped", []) if not hit(s)]
+  device = {**outs[0].get("device", {}), "n_devices": max(o.get("device", {}).get("n_devices", 0) for o in outs)}
+  return {**outs[0], "device": device, "rows": list(rows.values()), "skipped": skipped,
+          "elapsed_s": round(sum(o.get("elapsed_s", 0) for o in outs), 1), "merged_from": len(outs)}
 
 
 def summary(out: dict) -> list[str]:
