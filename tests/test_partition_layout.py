@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MESHES = (2, 4)
 COLLECTIVE_MESHES = ("data=2", "data=1,model=2", "data=1,model=4", "data=2,model=2", "data=2,model=4")
 PADDED_MESHES = ("data=1,model=2", "data=1,model=4")   # 3 KV heads: padded to 4
+PALLAS_MESHES = ("data=1,model=2", "data=2,model=2")
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,15 @@ def test_model_axis_decode_step_has_two_all_reduces_per_layer(worker, mesh):
 def test_padded_kv_heads_decode_step_has_two_all_reduces_per_layer(worker, mesh):
   got = worker["padded_collectives"][mesh]["per_layer"]
   assert got == {**{k: 0 for k in got}, "all-reduce": 2}, got
+
+
+@pytest.mark.parametrize("mesh", PALLAS_MESHES)
+def test_pallas_attention_runs_per_shard(worker, mesh):
+  """The Pallas attention kernel (interpret mode) under a mesh: Megatron's 2 all-reduces per layer
+  and nothing else (no gathering of q, k, v onto every device), and the one-device forward."""
+  got = worker["pallas_collectives"][mesh]["per_layer"]
+  assert got == {**{k: 0 for k in got}, "all-reduce": 2}, got
+  assert worker["pallas_forward"][mesh]["max_abs_diff"] < 1e-5, worker["pallas_forward"][mesh]
 
 
 def test_fused_rows_split_back_and_read_as_the_hf_projections():
@@ -218,6 +228,25 @@ def main() -> None:
   odd = cfg.replace(n_heads=6, n_kv_heads=3)
   out["padded_collectives"] = {mesh: decode_step_collectives(odd, parallel.make_mesh(mesh), batch=4,
                                                              dtype=jnp.float32) for mesh in PADDED_MESHES}
+  # the Pallas verification-attention kernel (what a GPU runs; interpret mode here) at a head size
+  # it takes: it runs per shard, so the step communicates what the XLA attention's does, and the
+  # forward equals the one-device forward with the same kernel
+  from specjax.kernels import verify_attention
+  verify_attention.set_impl("pallas")
+  wide = cfg.replace(head_dim=16)
+  out["pallas_collectives"] = {mesh: decode_step_collectives(wide, parallel.make_mesh(mesh), batch=4,
+                                                             dtype=jnp.float32) for mesh in PALLAS_MESHES}
+  wide_params = params_from_hf(wide, _hf_tensors(wide, rng, coded=False))
+  wide_cache = KVCache.init(wide, 2, 16, dtype=jnp.float32)
+  wide_fwd = jax.jit(lambda p, t, c: decoder.forward(p, wide, t, c)[0])
+  ref = np.asarray(wide_fwd(wide_params, tokens, wide_cache))
+  out["pallas_forward"] = {}
+  for spec in PALLAS_MESHES:
+    mesh = parallel.make_mesh(spec)
+    with parallel.use(mesh):
+      got = np.asarray(wide_fwd(parallel.place_params(wide_params, mesh, wide), tokens, wide_cache))
+    out["pallas_forward"][spec] = {"max_abs_diff": float(np.max(np.abs(got - ref)))}
+  verify_attention.set_impl(None)
   print(json.dumps(out), flush=True)
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 from specjax.kernels import dispatch
 
@@ -315,12 +316,44 @@ def choose(q_shape, k_shape, dtype, ragged: RaggedMask | None) -> tuple[str, Til
   return "xla", None
 
 
+def mesh_split(batch: int, n_heads: int, n_kv: int):
+  """How the mesh of the jitted caller (`jax.set_mesh`, `specjax.parallel.use`) splits one
+  attention call: (mesh, batch axis or None, head axis or None), or None without a mesh. The batch
+  goes over "data" where data divides it, the heads over "model" where model divides the query and
+  KV heads (a target's: its KV cache lives so; `parallel.pad_heads` makes them divide)."""
+  from specjax.parallel.mesh import DATA, MODEL
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL not in mesh.axis_names:
+    return None
+  data, model = mesh.shape.get(DATA, 1), mesh.shape[MODEL]
+  b_axis = DATA if data > 1 and batch % data == 0 else None
+  h_axis = MODEL if model > 1 and n_heads % model == 0 and n_kv % model == 0 else None
+  return (mesh, b_axis, h_axis) if b_axis or h_axis else None
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
               ragged: RaggedMask | None = None) -> jax.Array:
   """Attention of q [B, T, H, D] over the cache k, v [B, S, KVH, D] under `mask` [B, T, S]
-  (which `ragged`, when given, describes exactly). -> [B, T, H, D] f32."""
-  impl, tiling = choose(q.shape, k.shape, k.dtype, ragged)
+  (which `ragged`, when given, describes exactly). -> [B, T, H, D] f32.
+
+  Under a mesh the Pallas kernel runs per shard (`jax.shard_map`: each device its rows of the
+  batch and its KV groups, the query heads of a group beside its K and V), with the tiling of the
+  per-device shapes: XLA cannot split a custom kernel itself, and left to it gathers q, k and v of
+  every layer onto every device. The XLA reference is split by XLA like the rest of the model."""
+  split = mesh_split(q.shape[0], q.shape[2], k.shape[2])
+  q_shape, k_shape = q.shape, k.shape
+  if split is not None:
+    mesh, b_axis, h_axis = split
+    div = lambda n, ax: n // mesh.shape[ax] if ax else n
+    q_shape = (div(q.shape[0], b_axis), q.shape[1], div(q.shape[2], h_axis), q.shape[3])
+    k_shape = (div(k.shape[0], b_axis), k.shape[1], div(k.shape[2], h_axis), k.shape[3])
+  impl, tiling = choose(q_shape, k_shape, k.dtype, ragged)
   if impl == "xla":
     return attend_reference(q, k, v, mask, scale)
-  return pallas_verify_attention(q, k, v, ragged, scale, tiling=tiling,
-                                 interpret=not dispatch.on_gpu())
+  kernel = functools.partial(pallas_verify_attention, scale=scale, tiling=tiling, interpret=not dispatch.on_gpu())
+  if split is None:
+    return kernel(q, k, v, ragged)
+  heads = P(b_axis, None, h_axis, None)                                          # [B, T|S, H|KVH, D]
+  per_shard = jax.shard_map(lambda q, k, v, lengths, new: kernel(q, k, v, RaggedMask(lengths, new)), mesh=mesh,
+                            in_specs=(heads, heads, heads, P(b_axis), P(b_axis)), out_specs=heads, check_vma=False)
+  return per_shard(q, k, v, ragged.lengths, ragged.new_mask)
