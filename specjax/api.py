@@ -87,6 +87,10 @@ def shard(model: LoadedModel, mesh) -> LoadedModel:
   mesh = parallel.as_mesh(mesh)
   if mesh is None:
     return model
+  from specjax.models import fused_layer
+  if fused_layer.enabled():
+    raise UserError(f"{fused_layer.FUSED_ENV}=1 runs on one device (the fused layer's kernels are not "
+                    "partitioned over a mesh); unset it to shard the model")
   params, cfg = parallel.place_target(model.params, model.cfg, mesh)
   logical = model.logical_cfg
   return dataclasses.replace(model, params=params, cfg=cfg, mesh=mesh,

@@ -206,6 +206,17 @@ def test_padding_kv_groups_keeps_the_forward(arch):
     assert not np.asarray(k)[:, :, 3:].any()
 
 
+def test_the_fused_decode_layer_is_refused_on_a_mesh(monkeypatch):
+  """SPECJAX_FUSED_DECODE=1 runs kernels XLA cannot split: sharding a model with it on is a
+  UserError that names the variable (a mesh of one device is enough to ask)."""
+  from specjax import api
+  from specjax.models.load import LoadedModel
+  from conftest import TINY_LLAMA, random_params
+  monkeypatch.setenv("SPECJAX_FUSED_DECODE", "1")
+  with pytest.raises(UserError, match="SPECJAX_FUSED_DECODE=1 runs on one device"):
+    api.shard(LoadedModel("tiny", TINY_LLAMA, random_params(TINY_LLAMA, 0)), "data=1,model=1")
+
+
 def test_distributed_settings_come_from_the_environment():
   assert settings_from_env({}) is None
   env = {"SPECJAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "SPECJAX_NUM_PROCESSES": "2", "SPECJAX_PROCESS_ID": "1"}
