@@ -74,9 +74,12 @@ def compile_ahead(lowerings: list, threads: int | None = None) -> dict:
 
 
 @jax.jit
-def _copy_tree(tree):
-  """A copy of every leaf, in one program (the slot batch is donated by the rounds timed on it)."""
-  return jax.tree_util.tree_map(jnp.copy, tree)
+def _timing_copy(state, dstate):
+  """Copies of the slot batch and the drafter state, in one program (the rounds timed on them
+  donate them), every slot marked not done: a call whose slots are all done (free slots are) ends
+  before its first round."""
+  state, dstate = jax.tree_util.tree_map(jnp.copy, (state, dstate))
+  return dataclasses.replace(state, done=jnp.zeros_like(state.done)), dstate
 
 
 @dataclasses.dataclass
@@ -470,15 +473,16 @@ class SlotEngine:
   def round_costs(self, repeats: int = 3) -> np.ndarray:
     """[W] median ms of a round at each of the adaptive controller's widths, run over every slot of
     a copy of the slot batch (every slot drafting its n_max, up to the width; host drafters with
-    empty drafts) after one untimed round that compiles it. The controller's first estimate: what
-    the server's rounds then take replaces it."""
+    empty drafts, `_timing_copy`: its slots marked not done, else the call would end before its first
+    round and time only the call) after one untimed round that compiles it. The controller's first
+    estimate: what the server's rounds then take replaces it."""
     saved = self.state, self.dstate
     ms = []
     try:
       for w in self.control.widths:
-        self.state, self.dstate = _copy_tree(saved)
         times = []
-        for i in range(repeats + 1):
+        for i in range(repeats + 1):       # a fresh copy each time: a timed round may end its slots
+          self.state, self.dstate = _timing_copy(*saved)
           jax.block_until_ready((self.state, self.dstate))
           t0 = time.perf_counter()
           self._timed_round(w)
