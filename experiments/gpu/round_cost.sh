@@ -14,6 +14,9 @@
 # Example (a 4-GPU machine, two calls):
 #   OUT=/tmp/o MESH_GROUPS="1:0 2:1,2" ARGS="--batches 8 64 --k 2 8 --tree-nodes 16 64" bash experiments/gpu/round_cost.sh
 #   OUT=/tmp/o MESH_GROUPS="4:0,1,2,3" ARGS="--batches 1 8 64 --k 2 8 --tree-nodes 16 64" bash experiments/gpu/round_cost.sh
+# NCCL allocates its buffers outside XLA's pool: at XLA's default 90 % a 4-GPU model=4 run failed
+# with "Failed to allocate Scratch 1 for all-reduce" (experiments/README, "Does sharding pay?")
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.75}
 source "$(dirname "$0")/bootstrap.sh"
 GROUPS_=${MESH_GROUPS:-"1:0 2:1,2"}
 TIMEOUT=${TIMEOUT:-540}

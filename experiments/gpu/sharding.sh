@@ -16,6 +16,9 @@
 # (start from $PERSIST/sharded_round_cost.json, from an earlier call on this machine or carried in
 # .gpucarry/persist, and measure only the rows it lacks; the file is copied back to $PERSIST).
 # Example (a 2-GPU machine):  OUT=/tmp/o bash experiments/gpu/sharding.sh
+# NCCL allocates its buffers outside XLA's pool: at XLA's default 90 % a 4-GPU model=4 run failed
+# with "Failed to allocate Scratch 1 for all-reduce" (experiments/README, "Does sharding pay?")
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.75}
 source "$(dirname "$0")/bootstrap.sh"
 TIMEOUT=${TIMEOUT:-510}
 T0=$(date +%s)
