@@ -18,8 +18,9 @@ is seconds over tokens per sequence (with a head that accepts nothing, ~ms per r
 
 The JSON (config, git revision, device kind and count, rows, skipped) is rewritten after every
 row; --budget stops starting rows after that many seconds; --resume keeps the rows of an existing
---out (same --tiny / --new-tokens / --prompt-len; each row names its git revision) and measures
-only the others, so a run can be spread over calls (compiled programs are kept in specjax's
+--out measured at this git revision (same --tiny / --new-tokens / --prompt-len; each row names its
+revision; --resume-any-revision keeps older rows too, for code that has not changed since) and
+measures only the others, so a run can be spread over calls (compiled programs are kept in specjax's
 compile cache, $SPECJAX_HOME/jax_cache, as by the CLI; SPECJAX_COMPILE_CACHE=0 turns it off). The
 summary table and the plot (ms per round against K and against tree nodes, a panel per batch, a
 line per mesh, the plain step dashed) come at the end, or from a JSON with --plot-only.
@@ -152,7 +153,9 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--budget", type=float, default=480.0, help="seconds after which no new row starts")
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 target on 8 simulated CPU devices")
-  ap.add_argument("--resume", action="store_true", help="keep the rows of an existing --out, measure the rest")
+  ap.add_argument("--resume", action="store_true",
+                  help="keep the rows of an existing --out measured at this git revision, measure the rest")
+  ap.add_argument("--resume-any-revision", action="store_true", help="with --resume, keep older revisions' rows too")
   ap.add_argument("--out", required=True)
   ap.add_argument("--plot-only", action="store_true", help="print the summary and draw the PNG of --out")
   ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -186,8 +189,8 @@ def main(argv=None) -> int:
   if args.resume and Path(args.out).exists():
     old = json.loads(Path(args.out).read_text())
     if all(old["config"].get(k) == meta["config"][k] for k in SAME):
-      rows = old["rows"]
-      print(f"[round_cost] resuming {len(rows)} rows of {args.out}", flush=True)
+      rows = [r for r in old["rows"] if args.resume_any_revision or r.get("git_revision") == meta["git_revision"]]
+      print(f"[round_cost] resuming {len(rows)} of the {len(old['rows'])} rows of {args.out}", flush=True)
   bench = RoundCost(args, target, head, hc, d2t, prompts, meta, rows)
   sizes = []
   for m in args.model_sizes:
