@@ -175,6 +175,25 @@ def test_top_k_then_top_p_matches_transformers_warpers():
     np.testing.assert_allclose(ours, ref, atol=1e-5, err_msg=f"temperature={temp} top_k={k} top_p={top_p}")
 
 
+def test_next_token_is_the_draw_from_the_shaped_distribution():
+  """`next_token` gives the tokens `sample(shaped_probs(...))` gives, with the same keys: an all-greedy
+  batch (which runs only the argmax, ties to the lowest index), an all-sampled one with top-k / top-p,
+  and a mixed one (greedy rows still their argmax)."""
+  from specjax.engine.sampling import init_keys, next_token, sample, split_keys
+  rng = np.random.default_rng(11)
+  logits = jnp.asarray(rng.standard_normal((6, 40)).astype(np.float32) * 3)
+  logits = logits.at[0, 7].set(50.0).at[0, 3].set(50.0)                         # a tie: index 3 wins
+  for temp, k, p in [(0.0, 0, 1.0), ([0.9] * 6, 5, 0.8), ([0.0, 1.0, 0.0, 0.7, 1.2, 0.0], [0, 3, 0, 0, 8, 0], 0.9)]:
+    params = SamplingParams.make(6, temperature=temp, top_k=k, top_p=p, seed=list(range(6)))
+    _, use = split_keys(init_keys(params))
+    got = np.asarray(jax.jit(next_token)(logits, params, use))
+    want = np.asarray(sample(shaped_probs(logits[:, None], params)[:, 0], use))
+    np.testing.assert_array_equal(got, want, err_msg=f"temperature={temp} top_k={k} top_p={p}")
+    greedy = np.asarray(params.greedy)
+    np.testing.assert_array_equal(got[greedy], np.asarray(jnp.argmax(logits, -1))[greedy])
+  assert got[0] == 3 or not greedy[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # draft parameters n_max, n_min, p_min per sequence
 

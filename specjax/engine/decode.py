@@ -16,7 +16,7 @@ import numpy as np
 
 from specjax import parallel
 from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, plan_capacity, target_of
-from specjax.engine.sampling import SamplingParams, sample, shaped_probs, split_keys
+from specjax.engine.sampling import SamplingParams, next_token, split_keys
 
 
 def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, stop_ids,
@@ -25,7 +25,7 @@ def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, 
   live = (~state.done).astype(jnp.int32)
   logits, _, cache = target_of(cfg).forward(params, cfg, state.last[:, None], state.cache, n_new=live)
   keys, use = split_keys(state.keys)
-  token = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [B]
+  token = next_token(logits[:, 0], sampling, use)                                # [B]
   state = dataclasses.replace(state, cache=cache, keys=keys)
   return emit(state, token[:, None], live, stop_ids, max_new)
 

@@ -18,7 +18,7 @@ from specjax.models.decoder import DecoderTarget
 from specjax.models.hybrid import HybridTarget
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.recurrent_state import HybridState
-from specjax.engine.sampling import SamplingParams, init_keys, sample, shaped_probs, split_keys
+from specjax.engine.sampling import SamplingParams, init_keys, next_token, split_keys
 from specjax.models.kv_cache import KVCache, CacheOverflowError
 
 
@@ -115,7 +115,7 @@ def prefill(params, cfg, tokens, prompt_lens, sampling: SamplingParams, stop_ids
   cache = target.init_state(cfg, b, capacity, jax.tree_util.tree_leaves(params)[0].dtype)
   logits, tapped, cache = target.forward(params, cfg, tokens, cache, n_new=prompt_lens, taps=taps, last_only=True)
   keys, use = split_keys(init_keys(sampling))
-  first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [B]
+  first = next_token(logits[:, 0], sampling, use)                                # [B]
   history = jnp.zeros((b, history_len), jnp.int32).at[:, :t].set(tokens)
   state = GenState(cache=cache, history=history, hist_len=prompt_lens, prompt_len=prompt_lens,
                    last=first, keys=keys, done=jnp.zeros((b,), bool))

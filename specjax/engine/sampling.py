@@ -94,6 +94,20 @@ def shaped_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jnp.where(params.greedy[:, None, None], onehot, probs)
 
 
+def next_token(logits: jax.Array, params: SamplingParams, keys: jax.Array) -> jax.Array:
+  """One token per row of logits [B, V] -> [B] int32: the argmax for greedy rows (lowest index on
+  ties), else a draw from the row's shaped distribution (`shaped_probs`) with its key [B, 2]. The
+  tokens `sample(shaped_probs(...))` gives (a greedy row's one-hot draws its argmax); when every row
+  is greedy only the argmax runs, since the softmax and the random draws cost a greedy step kernels
+  (and, over a vocabulary split across devices, collectives) it does not need."""
+  def draw(logits):
+    return sample(shaped_probs(logits[:, None], params)[:, 0], keys)
+
+  def argmax(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(jnp.all(params.greedy), argmax, draw, logits)
+
+
 def sample(probs: jax.Array, keys: jax.Array) -> jax.Array:
   """One token per row of probs [B, V] with per-sequence keys [B, 2] -> [B] int32."""
   def one(p, k):

@@ -24,7 +24,7 @@ from specjax.engine import Carry, RoundInputs, run_round
 from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
-from specjax.engine.sampling import init_keys, sample, shaped_probs, split_keys
+from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
 
 
@@ -89,7 +89,7 @@ def prefill_rows(params, dparams, state, dstate, rows, sampling, stop_ids, *, cf
   taps = drafter.taps if drafter is not None and drafter.on_device else ()
   logits, tapped, cache = target.forward(params, cfg, rows.tokens, cache, n_new=rows.n, taps=taps, last_only=True)
   keys, use = split_keys(init_keys(sampling))
-  first = sample(shaped_probs(logits, sampling)[:, 0], use)                       # [N]
+  first = next_token(logits[:, 0], sampling, use)                                # [N]
   history = jnp.zeros((n_rows, capacity), jnp.int32).at[:, :rows.prompt.shape[1]].set(rows.prompt)
   joined = GenState(cache=cache, history=history, hist_len=rows.prompt_len, prompt_len=rows.prompt_len,
                     last=first, keys=keys, done=jnp.zeros((n_rows,), bool))
