@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 from typing import Any
 
 # Tests that call `specjax.cli.main` in-process would switch JAX's persistent compilation cache on
@@ -22,12 +23,14 @@ import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 
-# One persistent compilation cache for the whole test run, in a temporary folder shared by the
-# pytest-xdist workers (they inherit the controller's environment) and removed at the end: the
-# suite's time is mostly XLA compiling on the CPU, and many modules compile the same programs
+# One persistent compilation cache for the whole test run, in a temporary folder that the pytest
+# process makes and removes at the end, shared by the pytest-xdist workers and the test
+# subprocesses that import this module (tests/sharding_worker.py), which inherit its environment:
+# the suite's time is mostly XLA compiling on the CPU, and many modules compile the same programs
 # (tiny targets, the engine's loops), which `_free_compiled_programs` drops after every module.
 # SPECJAX_TEST_COMPILE_CACHE=0 turns it off.
-if os.environ.get("SPECJAX_TEST_COMPILE_CACHE", "1") == "1":
+if os.environ.get("SPECJAX_TEST_COMPILE_CACHE", "1") == "1" and (
+    os.environ.get("SPECJAX_TEST_CACHE_DIR") or "pytest" in sys.modules):
   if not os.environ.get("SPECJAX_TEST_CACHE_DIR"):
     os.environ["SPECJAX_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="specjax-test-xla-cache-")
     os.environ["SPECJAX_TEST_CACHE_OWNER"] = str(os.getpid())

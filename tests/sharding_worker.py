@@ -39,11 +39,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-if os.environ.get("SPECJAX_TEST_CACHE_DIR"):   # the test run's compilation cache (tests/conftest.py)
-  jax.config.update("jax_compilation_cache_dir", os.environ["SPECJAX_TEST_CACHE_DIR"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 from conftest import TINY_LLAMA, perturb, random_params  # noqa: E402
 from specjax import api, parallel  # noqa: E402
 from specjax.drafters import speculator_spec  # noqa: E402
