@@ -83,10 +83,24 @@ class RoundCost:
     self.meta, self.rows, self.skipped, self.sharded = meta, rows, [], {}
     self.t0 = time.monotonic()
 
-  def on(self, m: int):
+  def on(self, m: int, batch: int):
     if m not in self.sharded:
       self.sharded[m] = self.target if m == 1 else api.shard(self.target, mesh_name(m))
+      if m > 1:
+        self.count_collectives(m, batch)
     return self.sharded[m]
+
+  def count_collectives(self, m: int, batch: int) -> None:
+    """The collectives XLA compiles into one plain decode step on this mesh (per layer, outside)."""
+    from specjax.parallel.hlo import decode_step_collectives
+    sharded = self.sharded[m]
+    try:
+      dtype = jax.tree_util.tree_leaves(sharded.params)[0].dtype
+      got = decode_step_collectives(sharded.logical_cfg, sharded.mesh, batch, dtype=dtype)
+    except Exception as e:  # noqa: BLE001  (recorded: the timings do not depend on it)
+      got = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    self.meta.setdefault("collectives", {})[mesh_name(m)] = got
+    print(f"[round_cost] collectives of a decode step, {mesh_name(m)}: {got}", flush=True)
 
   def row(self, m: int, batch: int, method: str, width: int | None) -> None:
     key = dict(mesh=mesh_name(m), batch=batch, method=method, width=width)
@@ -103,7 +117,7 @@ class RoundCost:
     self.write()
 
   def _row(self, m, batch, method, width, key):
-    target = self.on(m)
+    target = self.on(m, batch)
     kw: dict = {}
     if method == "eagle3":
       kw["draft_params"] = {"n_max": width}
@@ -225,7 +239,8 @@ def merge(outs: list[dict]) -> dict:
   hit = lambda s: any(all(r.get(k) == v for k, v in s.items() if k != "why") for r in rows.values())
   skipped = [s for o in outs for s in o.get("skipped", []) if not hit(s)]
   device = {**outs[0].get("device", {}), "n_devices": max(o.get("device", {}).get("n_devices", 0) for o in outs)}
-  return {**outs[0], "device": device, "rows": list(rows.values()), "skipped": skipped,
+  collectives = {k: v for o in reversed(outs) for k, v in o.get("collectives", {}).items()}
+  return {**outs[0], "device": device, "rows": list(rows.values()), "skipped": skipped, "collectives": collectives,
           "elapsed_s": round(sum(o.get("elapsed_s", 0) for o in outs), 1), "merged_from": len(outs)}
 
 
@@ -242,7 +257,8 @@ def summary(out: dict) -> list[str]:
     lines.append(f"{mesh:17s} {b:5d} " + " ".join(f"{cell(got.get(c)):>18s}" for c in cols))
   cut = sum(s.get("why") == "time budget" for s in out.get("skipped", []))
   return lines + [f"skipped {s}" for s in out.get("skipped", []) if s.get("why") != "time budget"] + \
-      ([f"not started (time budget): {cut} rows"] if cut else [])
+      ([f"not started (time budget): {cut} rows"] if cut else []) + \
+      [f"collectives of a decode step, {k}: {v}" for k, v in out.get("collectives", {}).items()]
 
 
 def report(out: dict, png: Path) -> None:
