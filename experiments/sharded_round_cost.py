@@ -91,7 +91,8 @@ class RoundCost:
     return self.sharded[m]
 
   def count_collectives(self, m: int, batch: int) -> None:
-    """The collectives XLA compiles into one plain decode step on this mesh (per layer, outside)."""
+    """The collectives XLA compiles into one plain decode step on this mesh at the batch of its first
+    row (per layer, outside the layers; those outside depend on the batch)."""
     from specjax.parallel.hlo import decode_step_collectives
     sharded = self.sharded[m]
     try:
@@ -99,8 +100,8 @@ class RoundCost:
       got = decode_step_collectives(sharded.logical_cfg, sharded.mesh, batch, dtype=dtype)
     except Exception as e:  # noqa: BLE001  (recorded: the timings do not depend on it)
       got = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    self.meta.setdefault("collectives", {})[mesh_name(m)] = got
-    print(f"[round_cost] collectives of a decode step, {mesh_name(m)}: {got}", flush=True)
+    self.meta.setdefault("collectives", {})[f"{mesh_name(m)}, batch {batch}"] = got
+    print(f"[round_cost] collectives of a decode step, {mesh_name(m)}, batch {batch}: {got}", flush=True)
 
   def row(self, m: int, batch: int, method: str, width: int | None) -> None:
     key = dict(mesh=mesh_name(m), batch=batch, method=method, width=width)
@@ -199,13 +200,22 @@ def main(argv=None) -> int:
   meta = {"config": vars(args), "git_revision": git_revision(), "device": device_info(),
           "target": {"name": target.name, "cfg": repr(cfg)}, "head": repr(hc),
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
-  rows = []
+  rows, old_skips = [], []
+  methods = [("plain", None)] + [("eagle3", k) for k in args.k] + [("eagle3_tree", n) for n in args.tree_nodes]
   if args.resume and Path(args.out).exists():
     old = json.loads(Path(args.out).read_text())
     if all(old["config"].get(k) == meta["config"][k] for k in SAME):
-      rows = [r for r in old["rows"] if args.resume_any_revision or r.get("git_revision") == meta["git_revision"]]
+      keep = lambda r: args.resume_any_revision or r.get("git_revision") == meta["git_revision"]
+      rows = [r for r in old["rows"] if keep(r)]
       print(f"[round_cost] resuming {len(rows)} of the {len(old['rows'])} rows of {args.out}", flush=True)
+      if old.get("git_revision") == meta["git_revision"] or args.resume_any_revision:
+        # what the earlier runs compiled and could not run stays on record, unless this run tries it
+        meta["collectives"] = dict(old.get("collectives", {}))
+        tried = lambda s: (s.get("batch") in args.batches and s.get("mesh") in map(mesh_name, args.model_sizes)
+                           and (s.get("method"), s.get("width")) in methods)
+        old_skips = [s for s in old.get("skipped", []) if "method" in s and not tried(s)]
   bench = RoundCost(args, target, head, hc, d2t, prompts, meta, rows)
+  bench.skipped.extend(old_skips)
   sizes = []
   for m in args.model_sizes:
     if m > n_dev or cfg.n_heads % m or cfg.n_kv_heads % m:
@@ -214,7 +224,6 @@ def main(argv=None) -> int:
     else:
       sizes.append(m)
   bench.write()
-  methods = [("plain", None)] + [("eagle3", k) for k in args.k] + [("eagle3_tree", n) for n in args.tree_nodes]
   for b in args.batches:                                       # a cut run has every mesh at the first batches
     for m in sizes:
       for method, width in methods:

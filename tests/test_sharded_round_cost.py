@@ -5,7 +5,8 @@ device and on data=1,model=2, batch 2, plain decoding, EAGLE-3 chains at K = 1, 
 eagle3_tree of 4 nodes (8 programs; XLA's CPU backend at optimization level 0 compiles them in
 about half the time, and the numbers are not looked at, only their presence and signs). Checked:
 a row per (mesh, batch, method) with positive ms and rounds, chain rounds emitting at least a token
-each, the ratio to the plain step filled in, the summary printed and the PNG drawn. And `--merge`,
+each, the ratio to the plain step filled in, the summary printed and the PNG drawn; the sharded
+decode step's collectives (two all-reduces per layer, no all-gather); a resumed run keeps both. And `--merge`,
 which joins runs made at once on disjoint GPUs, on hand-made files.
 """
 
@@ -49,6 +50,16 @@ def test_tiny_sharded_round_cost_has_every_row_and_the_plot(tmp_path):
   assert "ms per plain step / verification round" in r.stdout and "eagle3_tree N=4" in r.stdout
   png = out.with_suffix(".png")
   assert png.exists() and png.stat().st_size > 10_000
+  # the sharded decode step's collectives: Megatron's two all-reduces per layer and no gather
+  per_layer = got["collectives"]["data=1,model=2, batch 2"]["per_layer"]
+  assert per_layer["all-reduce"] == 2 and per_layer["all-gather"] == 0, got["collectives"]
+  # a resumed run with nothing left to measure keeps the rows and what the first run compiled
+  r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--model-sizes", "1", "2", "--batches", "2",
+                      "--k", "1", "2", "--tree-nodes", "4", "--new-tokens", "8", "--prompt-len", "8", "--resume",
+                      "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-4000:]
+  again = json.loads(out.read_text())
+  assert again["rows"] == got["rows"] and again["collectives"] == got["collectives"]
 
 
 def test_merging_runs_on_disjoint_gpus_keeps_every_row_once(tmp_path):
