@@ -73,8 +73,10 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   and 2 at fixed costs (a round at width 2 costs 1.5 plain steps; measured costs of this tiny model
   on a CPU are all dispatch and say nothing): after its first exploring rounds the batch runs at
   width 0, several rounds per call, and the output is still offline greedy. The warm-up's timing
-  gives a positive cost for every width, each the time of a call that ran one round (the free
-  slots of the copy it times are marked not done, else the call would end before its round)."""
+  gives a positive cost for every width, each the time of a call over the rounds it ran, and its
+  calls run as many rounds as the server's (`rounds_max`: the free slots of the copy it times are
+  marked not done and their token budgets lifted, else a call would end before, or after, its first
+  round), so a width the server never runs is priced as the ones it does."""
   from specjax.drafters.mtp import init_heads
   target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
   server = build_server(target, "mtp", head=init_heads(TINY_LLAMA, 2, seed=1), slots=4, capacity=128, n_max=2,
@@ -82,10 +84,14 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   engine = server.scheduler.engine
   engine.warm()
   run, ran = engine._run, []
-  engine._run = lambda *a, **k: ran.append(run(*a, **k).rounds)
+  def counted(*a, **k):
+    out = run(*a, **k)
+    ran.append(out.rounds)
+    return out
+  engine._run = counted
   measured = engine.round_costs(repeats=1)
   del engine._run
-  assert ran == [1] * 4, ran                                     # 2 widths x (1 untimed + 1 timed)
+  assert engine.rounds_max > 1 and ran == [engine.rounds_max] * 4, ran   # 2 widths x (1 untimed + 1 timed)
   assert measured.shape == (2,) and (measured > 0).all() and engine.control.costs.tolist() == [1.0, 1.5]
   http, url = run_in_thread(server.app())
   try:

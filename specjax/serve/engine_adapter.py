@@ -471,36 +471,45 @@ class SlotEngine:
     return out
 
   def round_costs(self, repeats: int = 3) -> np.ndarray:
-    """[W] median ms of a round at each of the adaptive controller's widths, run over every slot of
-    a copy of the slot batch (every slot drafting its n_max, up to the width; host drafters with
-    empty drafts, `_timing_copy`: its slots marked not done, else the call would end before its first
-    round and time only the call) after one untimed round that compiles it. The controller's first
-    estimate: what the server's rounds then take replaces it."""
-    saved = self.state, self.dstate
-    ms = []
+    """[W] median ms per round at each of the adaptive controller's widths: calls of `rounds_max`
+    rounds (a host drafter's calls run one) over every slot of a copy of the slot batch, each call's
+    time over the rounds it ran, after one untimed call that compiles it. Every slot drafts its
+    n_max, up to the width (host drafters: empty drafts); `_timing_copy` marks the copy's slots not
+    done and the timed calls lift every slot's token budget, else a free slot would end the call
+    after one round. These are the controller's first costs, replaced by what the server's calls
+    then take, which are measured the same way (a call's time over its rounds): a width the server
+    never runs keeps its warm-up cost, so it has to be the cost of a call as the server makes it,
+    its fixed cost shared by as many rounds; timed one round a call, an idle width carried the whole
+    fixed cost and never looked cheap enough to run (plain steps under a tree at 64 clients)."""
+    saved, dev = (self.state, self.dstate), self._device_params()
+    sampling, dp, max_new = dev
+    self._dev = sampling, dp, jnp.full_like(max_new, self.capacity)           # no slot stops on its budget
+    rounds = self.rounds_max
+    ms, self.cost_call_rounds = [], []
     try:
       for w in self.control.widths:
         times = []
-        for i in range(repeats + 1):       # a fresh copy each time: a timed round may end its slots
+        for i in range(repeats + 1):       # a fresh copy each time: a timed call may end its slots
           self.state, self.dstate = _timing_copy(*saved)
           jax.block_until_ready((self.state, self.dstate))
           t0 = time.perf_counter()
-          self._timed_round(w)
-          times.append((time.perf_counter() - t0) * 1e3)
+          ran = self._timed_round(w, rounds)
+          times.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
+          self.cost_call_rounds.append(ran)
         ms.append(float(np.median(times[1:])))
     finally:
       self.state, self.dstate = saved
+      self._dev = dev
     return np.asarray(ms, np.float32)
 
-  def _timed_round(self, width: int) -> None:
-    """A round at `width` without host drafting (host drafters' programs are the verification of
-    an empty draft of that width), waited for."""
+  def _timed_round(self, width: int, rounds: int = 1) -> int:
+    """A call of up to `rounds` rounds at `width` without host drafting (host drafters' programs are
+    the verification of an empty draft of that width, one round a call), waited for (its outputs
+    are fetched). -> the rounds it ran."""
     if self.drafter.on_device:
-      self._run(width, np.minimum(self.dp["n_max"], width), None, 1)
-      return
+      return self._run(width, np.minimum(self.dp["n_max"], width), None, rounds).rounds
     inputs = self._device_params()
     if width == 0:
-      self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, 0, inputs)
-      return
-    self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, width, inputs,
-               draft=(jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32)))
+      return self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, 0, inputs).rounds
+    return self._call(RoundSpec(cfg=self.cfg, rollback=self.rollback), None, 1, width, inputs,
+                      draft=(jnp.zeros((self.b, width), jnp.int32), jnp.zeros((self.b,), jnp.int32))).rounds
