@@ -41,6 +41,7 @@ experiments/gpu/round_cost.sh runs such groups.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -71,8 +72,14 @@ def mesh_name(m: int) -> str:
   return "one device" if m == 1 else f"data=1,model={m}"
 
 
-def label(method: str, width: int | None) -> str:
-  return {"plain": "plain", "eagle3": f"eagle3 K={width}", "eagle3_tree": f"eagle3_tree N={width}"}[method]
+def label(method: str, width: int | None, heads: str = "replicated") -> str:
+  name = {"plain": "plain", "eagle3": f"eagle3 K={width}", "eagle3_tree": f"eagle3_tree N={width}"}[method]
+  return name + (" split" if heads == "sharded" else "")
+
+
+def heads_of(r: dict) -> str:
+  """Where a row's head was (rows written before the option: replicated)."""
+  return r.get("heads", "replicated")
 
 
 class RoundCost:
@@ -103,22 +110,22 @@ class RoundCost:
     self.meta.setdefault("collectives", {})[f"{mesh_name(m)}, batch {batch}"] = got
     print(f"[round_cost] collectives of a decode step, {mesh_name(m)}, batch {batch}: {got}", flush=True)
 
-  def row(self, m: int, batch: int, method: str, width: int | None) -> None:
-    key = dict(mesh=mesh_name(m), batch=batch, method=method, width=width)
-    if any(all(r.get(k) == v for k, v in key.items()) for r in self.rows):
+  def row(self, m: int, batch: int, method: str, width: int | None, heads: str = "replicated") -> None:
+    key = dict(mesh=mesh_name(m), batch=batch, method=method, width=width, heads=heads)
+    if any(all((heads_of(r) if k == "heads" else r.get(k)) == v for k, v in key.items()) for r in self.rows):
       return                                                   # measured already (--resume)
     if time.monotonic() - self.t0 > self.args.budget:
       self.skipped.append({**key, "why": "time budget"})
       return
     try:
-      self._row(m, batch, method, width, key)
+      self._row(m, batch, method, width, heads, key)
     except Exception as e:  # noqa: BLE001  (out of memory, a drafter the mesh cannot take): recorded
       self.skipped.append({**key, "why": f"{type(e).__name__}: {str(e)[:400]}"})
       print(f"[round_cost] {key}: {type(e).__name__}: {str(e)[:400]}", flush=True)
     self.write()
 
-  def _row(self, m, batch, method, width, key):
-    target = self.on(m, batch)
+  def _row(self, m, batch, method, width, heads, key):
+    target = dataclasses.replace(self.on(m, batch), head_placement=heads)
     kw: dict = {}
     if method == "eagle3":
       kw["draft_params"] = {"n_max": width}
@@ -140,7 +147,7 @@ class RoundCost:
     ms = 1e3 * out.seconds / max(rounds, 1)
     plain = next((r for r in self.rows if r["mesh"] == key["mesh"] and r["batch"] == batch and r["method"] == "plain"),
                  None)
-    r = {**key, "label": label(method, width), "ms_per_round": round(ms, 3), "rounds": rounds, "tokens": tokens,
+    r = {**key, "label": label(method, width, heads), "ms_per_round": round(ms, 3), "rounds": rounds, "tokens": tokens,
          "tau": round(tau, 3), "ms_per_token": round(1e3 * out.seconds / max(tokens / batch, 1e-9), 3),
          "ratio_to_plain": round(ms / plain["ms_per_round"], 3) if plain else None,
          "seconds": round(out.seconds, 4), "first_call_s": round(first, 1), "git_revision": self.meta["git_revision"],
@@ -161,6 +168,8 @@ def main(argv=None) -> int:
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 4, 8], help="EAGLE-3 chain draft lengths")
   ap.add_argument("--tree-nodes", type=int, nargs="*", default=[16, 32, 64], help="eagle3_tree node budgets")
+  ap.add_argument("--head-placement", nargs="+", choices=("replicated", "sharded"), default=["replicated"],
+                  help="the EAGLE-3 head on a sharded mesh: whole on every device, split over model, or both (rows each)")
   ap.add_argument("--tree-depth", type=int, default=6)
   ap.add_argument("--tree-top-k", type=int, default=8)
   ap.add_argument("--draft-vocab", type=int, default=32000, help="the head's vocabulary (EAGLE-3 Llama-3.1-8B: 32000)")
@@ -227,7 +236,8 @@ def main(argv=None) -> int:
   for b in args.batches:                                       # a cut run has every mesh at the first batches
     for m in sizes:
       for method, width in methods:
-        bench.row(m, b, method, width)
+        for heads in (["replicated"] if m == 1 or method == "plain" else args.head_placement):
+          bench.row(m, b, method, width, heads)
   bench.write()
   report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
   return 0
@@ -239,13 +249,14 @@ def merge(outs: list[dict]) -> dict:
   any run saw: the machine's, when the runs split its GPUs."""
   if not outs:
     raise SystemExit("--merge: none of the files exists")
-  key = lambda r: (r["mesh"], r["batch"], r["method"], r["width"])
+  key = lambda r: (r["mesh"], r["batch"], r["method"], r["width"], heads_of(r))
   rows: dict = {}
   for o in outs:
     for r in o["rows"]:
       rows.setdefault(key(r), r)
   # a skip stays unless a row was measured where it points (a mesh one run lacked GPUs for, another ran)
-  hit = lambda s: any(all(r.get(k) == v for k, v in s.items() if k != "why") for r in rows.values())
+  hit = lambda s: any(all((heads_of(r) if k == "heads" else r.get(k)) == v for k, v in s.items() if k != "why")
+                      for r in rows.values())
   skipped = [s for o in outs for s in o.get("skipped", []) if not hit(s)]
   device = {**outs[0].get("device", {}), "n_devices": max(o.get("device", {}).get("n_devices", 0) for o in outs)}
   collectives = {k: v for o in reversed(outs) for k, v in o.get("collectives", {}).items()}
@@ -292,10 +303,12 @@ def plot(out: dict, png: Path) -> None:
       ax = axes[i][j]
       for c, mesh in enumerate(meshes):
         color = f"C{c}"
-        rs = sorted((r for r in rows if r["mesh"] == mesh and r["batch"] == b and r["method"] == method),
-                    key=lambda r: r["width"])
-        if rs:
-          ax.plot([r["width"] for r in rs], [r["ms_per_round"] for r in rs], "-o", color=color, label=mesh)
+        for heads, style in (("replicated", "-o"), ("sharded", ":s")):
+          rs = sorted((r for r in rows if r["mesh"] == mesh and r["batch"] == b and r["method"] == method
+                       and heads_of(r) == heads), key=lambda r: r["width"])
+          if rs:
+            ax.plot([r["width"] for r in rs], [r["ms_per_round"] for r in rs], style, color=color,
+                    label=mesh + (", head split" if heads == "sharded" else ""))
         for r in rows:
           if r["mesh"] == mesh and r["batch"] == b and r["method"] == "plain":
             ax.axhline(r["ms_per_round"], ls="--", color=color, lw=1, label=f"plain step, {mesh}")

@@ -40,17 +40,21 @@ from specjax.engine.stats import SpecStats
 INVARIANT_ENV = "SPECJAX_INVARIANT"     # "1": `load` turns batch-invariant mode on unless told otherwise
 
 
-def load(name_or_path: str, dtype: str = "float32", mesh=None, invariant: bool | None = None) -> LoadedModel:
+def load(name_or_path: str, dtype: str = "float32", mesh=None, invariant: bool | None = None,
+         head_placement: str = "replicated") -> LoadedModel:
   """Load a model by fetch name (downloaded on first use), GGUF path or HF directory.
 
   mesh: None (one device), a spec such as "data=2,model=4", or a `jax.sharding.Mesh` with axes
   ("data", "model"): the parameters are sharded over it (`specjax.parallel`), read on the host and
   written straight to their shards, and `generate` runs the batch over "data"; KV heads the model
   axis does not divide are padded with zero KV groups (`shard`: more KV-cache memory, same output).
+  head_placement: on a mesh, trained drafter heads (MTP, EAGLE-3, DFlash) "replicated" on every
+  device or "sharded" over the model axis like the target (`parallel.place_drafter`).
   invariant: batch-invariant forward (`batch_invariant`); None: SPECJAX_INVARIANT=1 turns it on."""
   if not isinstance(name_or_path, (str, os.PathLike)):
     raise UserError(f"model must be a fetch name or a path, got {type(name_or_path).__name__}")
   dt = jnp.dtype(request.check_choice("dtype", str(dtype), request.DTYPES))
+  request.check_choice("head_placement", head_placement, parallel.HEAD_PLACEMENTS)
   if invariant is None:
     invariant = os.environ.get(INVARIANT_ENV, "0") == "1"
   mesh = parallel.as_mesh(mesh)
@@ -61,7 +65,7 @@ def load(name_or_path: str, dtype: str = "float32", mesh=None, invariant: bool |
     return batch_invariant(model) if invariant else model
   with jax.default_device(jax.local_devices(backend="cpu")[0]):   # host memory: no device holds a whole copy
     model = load_model(str(name_or_path), dtype=dt)
-  return shard(model, mesh)
+  return shard(model, mesh, head_placement=head_placement)
 
 
 def batch_invariant(model: LoadedModel, on: bool = True) -> LoadedModel:
@@ -77,13 +81,15 @@ def batch_invariant(model: LoadedModel, on: bool = True) -> LoadedModel:
   return dataclasses.replace(model, cfg=model.cfg.replace(invariant=on))
 
 
-def shard(model: LoadedModel, mesh) -> LoadedModel:
+def shard(model: LoadedModel, mesh, head_placement: str = "replicated") -> LoadedModel:
   """`model` with its parameters sharded over `mesh` (a spec string or a Mesh), tensor-parallel over
   the model axis (whole KV groups per device). Where the model axis does not divide the KV heads
   (SmolLM2-135M's 3 on model=2 or 4), the target is padded with zero KV groups up to the next
   multiple (`parallel.pad_heads`): the same greedy tokens, but its KV cache and attention grow by
   padded / real KV heads (3 -> 4: 4/3; a warning says so). The result's `cfg` is then the padded
-  config and `logical_cfg` the checkpoint's own, which drafters use."""
+  config and `logical_cfg` the checkpoint's own, which drafters use. `head_placement`: where the
+  drafters' trained heads go on this mesh ("replicated" or "sharded", `parallel.place_drafter`)."""
+  request.check_choice("head_placement", head_placement, parallel.HEAD_PLACEMENTS)
   mesh = parallel.as_mesh(mesh)
   if mesh is None:
     return model
@@ -93,7 +99,7 @@ def shard(model: LoadedModel, mesh) -> LoadedModel:
                     "partitioned over a mesh); unset it to shard the model")
   params, cfg = parallel.place_target(model.params, model.cfg, mesh)
   logical = model.logical_cfg
-  return dataclasses.replace(model, params=params, cfg=cfg, mesh=mesh,
+  return dataclasses.replace(model, params=params, cfg=cfg, mesh=mesh, head_placement=head_placement,
                              unpadded_cfg=None if cfg == logical else logical)
 
 
@@ -195,7 +201,7 @@ def _run(target, tokens, speculator, sampling, draft_params, max_new_tokens, sto
   else:
     drafter = make_speculator(speculator, target, draft_model=draft_model, draft_params=draft_params, head=head,
                               options=options)
-    drafter = parallel.place_drafter(drafter, target.params, mesh)
+    drafter = parallel.place_drafter(drafter, target.params, mesh, getattr(target, "head_placement", "replicated"))
     draft_params = draft_params or DraftParams(n_max=drafter.max_draft)
     r = speculative_generate(target.params, target.cfg, tokens, drafter, max_new_tokens=max_new_tokens,
                              sampling=sampling, draft_params=draft_params, stop_ids=stop_ids, capacity=capacity,

@@ -189,7 +189,8 @@ def cmd_generate(args) -> int:
     parse_mesh(args.mesh)              # a bad spec fails before the model loads
   _check_model_name(args.model, "--model")
   template = _read_chat_template(args)
-  target = api.load(args.model, dtype=args.dtype, mesh=args.mesh, invariant=args.invariant or None)
+  target = api.load(args.model, dtype=args.dtype, mesh=args.mesh, invariant=args.invariant or None,
+                    head_placement=args.head_placement)
   if template is not None:
     if target.tokenizer is None:
       raise UserError(f"--chat-template needs a tokenizer; {args.model} has none")
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
   g.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="shard over D x M devices: data splits the batch, model the heads / MLP / vocabulary "
                       "(several hosts: SPECJAX_COORDINATOR_ADDRESS, SPECJAX_NUM_PROCESSES, SPECJAX_PROCESS_ID)")
+  g.add_argument("--head-placement", choices=("replicated", "sharded"), default="replicated",
+                 help="with --mesh: trained drafter heads whole on every device, or split over the model axis "
+                      "like the target")
   g.add_argument("--warmup", action="store_true", help="run once untimed first (excludes compile time)")
   g.set_defaults(func=cmd_generate)
 

@@ -117,6 +117,26 @@ def greedy(batch: int, meshes: list[str], names: list[str]) -> None:
                         "ref": ref, "got": got, "s": round(time.perf_counter() - t0, 2)}), flush=True)
 
 
+def heads(batch: int, meshes: list[str], names: list[str]) -> None:
+  """Greedy output of head speculators on targets sharded with their heads split over "model"
+  (`head_placement="sharded"`) against the one-device plain output; per row, how many of the
+  head's leaves are split and whether its KV cache is (`kv_on_model`)."""
+  from specjax import parallel
+  target = tiny_target()
+  prompts = PROMPTS[:batch]
+  ref = run(target, "plain", prompts)
+  for spec in meshes:
+    sharded = api.shard(target, spec, head_placement="sharded")
+    for name in names:
+      got = run(sharded, name, prompts)
+      drafter, _ = build_drafter(name, sharded)
+      placed = parallel.place_drafter(drafter, sharded.params, sharded.mesh, "sharded")
+      split = sum(not leaf.sharding.is_fully_replicated for k, v in placed.weights.items() if k != "target"
+                  for leaf in jax.tree_util.tree_leaves(v))
+      print(json.dumps({"kind": "heads", "mesh": spec, "batch": batch, "name": name, "ok": got == ref, "ref": ref,
+                        "got": got, "split_leaves": split, "kv_on_model": bool(placed.kv_on_model)}), flush=True)
+
+
 def law(spec: str) -> None:
   """Sampled speculation (draft model) on a sharded target: the first three tokens of many rows
   fit the exact law (tests/token_law.py), as plain sampling on one device does."""
@@ -234,6 +254,8 @@ if __name__ == "__main__":
   if mode == "greedy":
     names = args[2].split(",") if len(args) > 2 else ["plain", *speculator_spec.names()]
     greedy(int(args[0]), args[1].split(";"), names)
+  elif mode == "heads":
+    heads(int(args[0]), args[1].split(";"), args[2].split(","))
   elif mode == "law":
     law(args[0])
   elif mode == "train":

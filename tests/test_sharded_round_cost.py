@@ -6,7 +6,8 @@ eagle3_tree of 4 nodes (8 programs; XLA's CPU backend at optimization level 0 co
 about half the time, and the numbers are not looked at, only their presence and signs). Checked:
 a row per (mesh, batch, method) with positive ms and rounds, chain rounds emitting at least a token
 each, the ratio to the plain step filled in, the summary printed and the PNG drawn; the sharded
-decode step's collectives (two all-reduces per layer, no all-gather); a resumed run keeps both. And `--merge`,
+decode step's collectives (two all-reduces per layer, no all-gather); a resumed run keeps both;
+with --head-placement replicated sharded, each EAGLE-3 row on the sharded mesh twice. And `--merge`,
 which joins runs made at once on disjoint GPUs, on hand-made files.
 """
 
@@ -28,14 +29,16 @@ def test_tiny_sharded_round_cost_has_every_row_and_the_plot(tmp_path):
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
   r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--model-sizes", "1", "2", "--batches", "2",
                       "--k", "1", "2", "--tree-nodes", "4", "--new-tokens", "8", "--prompt-len", "8",
+                      "--head-placement", "replicated", "sharded",
                       "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   got = json.loads(out.read_text())
   assert got["device"]["n_devices"] == 8 and got["git_revision"] == "test"
   assert got["skipped"] == [], got["skipped"]
-  keys = {(row["mesh"], row["batch"], row["method"], row["width"]) for row in got["rows"]}
-  want = {(mesh, b, method, w) for mesh in ("one device", "data=1,model=2") for b in (2,)
+  keys = {(row["mesh"], row["batch"], row["method"], row["width"], row["heads"]) for row in got["rows"]}
+  want = {(mesh, b, method, w, "replicated") for mesh in ("one device", "data=1,model=2") for b in (2,)
           for method, w in (("plain", None), ("eagle3", 1), ("eagle3", 2), ("eagle3_tree", 4))}
+  want |= {("data=1,model=2", 2, method, w, "sharded") for method, w in (("eagle3", 1), ("eagle3", 2), ("eagle3_tree", 4))}
   assert keys == want and len(got["rows"]) == len(want)
   for row in got["rows"]:
     assert row["ms_per_round"] > 0 and row["rounds"] > 0 and row["seconds"] > 0, row
@@ -56,6 +59,7 @@ def test_tiny_sharded_round_cost_has_every_row_and_the_plot(tmp_path):
   # a resumed run with nothing left to measure keeps the rows and what the first run compiled
   r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--model-sizes", "1", "2", "--batches", "2",
                       "--k", "1", "2", "--tree-nodes", "4", "--new-tokens", "8", "--prompt-len", "8", "--resume",
+                      "--head-placement", "replicated", "sharded",
                       "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   again = json.loads(out.read_text())

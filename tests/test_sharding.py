@@ -254,6 +254,27 @@ def test_greedy_output_is_the_one_device_output_on_every_mesh(batch):
   _assert_greedy(_worker("greedy", str(batch), ";".join(meshes), ",".join(names)), len(names) * len(meshes))
 
 
+def test_heads_split_over_the_model_axis_keep_the_one_device_output():
+  """`head_placement="sharded"`: the MTP, EAGLE-3 and DFlash heads split over "model" by the target's
+  rules (their attention and MLP, EAGLE-3's own LM head by vocabulary) and the MTP / EAGLE-3 KV
+  caches by heads with them: the greedy output is still the one-device plain output, at batch 3 on
+  (2, 2), and the heads are split (leaves not replicated)."""
+  rows = _worker("heads", "3", "data=2,model=2", "mtp,eagle3_tree,dflash_tree")
+  _assert_greedy(rows, 3)
+  for r in rows:
+    assert r["split_leaves"] > 0, r
+    assert r["kv_on_model"] == (r["name"] != "dflash_tree"), r      # DFlash keeps features, no KV cache
+
+
+def test_a_head_placement_other_than_replicated_or_sharded_is_refused():
+  from specjax import api
+  from specjax.models.load import LoadedModel
+  with pytest.raises(UserError, match="head_placement must be one of replicated, sharded, got 'split'"):
+    api.shard(LoadedModel(name="t", cfg=None, params=None), "data=1,model=1", head_placement="split")
+  with pytest.raises(UserError, match="heads must be one of"):
+    partition.place_drafter(object(), None, None, "split")
+
+
 def test_sampled_speculation_on_a_mesh_keeps_the_token_law():
   (row,) = _worker("law", "data=2,model=2")
   assert row["p"]["spec"] >= 1e-4 and row["p"]["two"] >= 1e-4, row

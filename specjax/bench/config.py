@@ -69,6 +69,7 @@ class ExperimentConfig:
   sampling: SamplingConfig = SamplingConfig()
   methods: tuple[MethodConfig, ...] = ()
   mesh: str | None = None                           # "data=2,model=4": the target sharded over devices (specjax.parallel)
+  head_placement: str = "replicated"                # on the mesh: trained drafter heads "replicated" or "sharded"
 
 
 def _type_ok(value, tp) -> bool:
@@ -237,6 +238,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
       raise ConfigError(f"mesh: {str(e).removeprefix('mesh: ')}") from None
     if cfg.batch_size % data:
       raise ConfigError(f"mesh: the data axis ({data}) must divide batch_size ({cfg.batch_size})")
+  if cfg.head_placement not in ("replicated", "sharded"):
+    raise ConfigError(f"head_placement: must be replicated or sharded, got {cfg.head_placement!r}")
   widest = max([verify_width(m) for m in cfg.methods] + [0])
   capacity = DEFAULT_CAPACITY if cfg.capacity is None else cfg.capacity
   if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:

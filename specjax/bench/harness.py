@@ -50,7 +50,7 @@ def load_target(cfg: ExperimentConfig, progress: bool = True):
     return tiny_target()
   if getattr(cfg, "mesh", None):   # sharded over devices: read on the host, written to its shards
     from specjax import api
-    return api.load(cfg.target, dtype=cfg.dtype, mesh=cfg.mesh)
+    return api.load(cfg.target, dtype=cfg.dtype, mesh=cfg.mesh, head_placement=cfg.head_placement)
   return load_model(cfg.target, dtype=jnp.dtype(cfg.dtype), progress=progress)
 
 

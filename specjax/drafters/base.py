@@ -86,6 +86,10 @@ class DeviceDrafter(Drafter):
   itself is static (hashable) configuration."""
   on_device: ClassVar[bool] = True
   taps: tuple[int, ...] = ()        # target layers whose hidden states it reads
+  # its KV caches split by KV heads over the mesh's "model" axis (its attention weights are, by
+  # `parallel.place_drafter`); a field of the drafters that can be split, so that the loops'
+  # programs, which constrain the drafter state's layout by it, differ with it
+  kv_on_model: bool = False
 
   def params(self) -> Any:
     """The arrays it drafts with (a pytree passed into the jitted loop)."""

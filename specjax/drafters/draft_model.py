@@ -85,6 +85,7 @@ class DraftModelDrafter(DeviceDrafter):
                                # False: a while_loop that stops once every sequence fell below p_min
   name: str = "draft"
   taps: tuple[int, ...] = ()
+  kv_on_model: bool = False      # KV caches split over "model" (set by `parallel.place_drafter`)
 
   def params(self):
     return self.weights

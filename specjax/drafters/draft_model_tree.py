@@ -64,6 +64,7 @@ class DraftModelTreeDrafter(DeviceDrafter):
   proposes_tree: ClassVar[bool] = True
   budgeted: ClassVar[bool] = True       # adaptive drafting may ask for fewer nodes (`propose_budget`)
   taps: tuple[int, ...] = ()
+  kv_on_model: bool = False      # KV caches split over "model" (set by `parallel.place_drafter`)
 
   def __post_init__(self):
     if self.depth < 1 or self.top_k < 1 or self.width < 1:

@@ -69,6 +69,7 @@ class Eagle3Drafter(DeviceDrafter):
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   seed: int = 0                   # seeds the draft sampler (independent of the target's sampler)
   name: str = "eagle3"
+  kv_on_model: bool = False      # KV caches split over "model" (set by `parallel.place_drafter`)
 
   @property
   def taps(self) -> tuple[int, ...]:

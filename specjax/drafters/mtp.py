@@ -187,6 +187,7 @@ class MTPDrafter(DeviceDrafter):
   name: str = "mtp"
   taps: tuple[int, ...] = ()
   style: str = "specjax"          # "specjax" | "deepseek_v3" | "qwen3_next" (see the module docstring)
+  kv_on_model: bool = False      # KV caches split over "model" (set by `parallel.place_drafter`)
 
   def params(self):
     return self.weights

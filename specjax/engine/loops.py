@@ -26,8 +26,8 @@ def prefill_request(spec: RoundSpec, inp: RoundInputs, tokens, prompt_lens, *, c
                           capacity, history_len, taps=spec.taps)
   dstate = () if spec.drafter is None else spec.drafter.init(inp.dparams, tokens, prompt_lens, tapped, capacity)
   b = tokens.shape[0]
-  return Carry(state=parallel.constrain_state(state), dstate=parallel.constrain_state(dstate, b, kv_on_model=False),
-               stats=RoundStats.zeros(b, spec.stats_width))
+  dstate = parallel.constrain_state(dstate, b, kv_on_model=spec.drafter_kv_on_model)
+  return Carry(state=parallel.constrain_state(state), dstate=dstate, stats=RoundStats.zeros(b, spec.stats_width))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))

@@ -53,6 +53,11 @@ class RoundSpec:
     return self.drafter is not None and self.drafter.proposes_tree
 
   @property
+  def drafter_kv_on_model(self) -> bool:
+    """The drafter's KV caches are split over "model" (its attention weights are)."""
+    return self.drafter is not None and getattr(self.drafter, "kv_on_model", False)
+
+  @property
   def plain(self) -> bool:
     return self.width == 0 and self.drafter is not None and self.drafter.commit_free
 
@@ -241,7 +246,8 @@ def run_round(spec: RoundSpec, inp: RoundInputs, carry: Carry, host_draft: Draft
   commits what was accepted. Under a mesh the loop state keeps its layout (`parallel.constrain_state`;
   no-op on one device)."""
   b = carry.state.last.shape[0]
-  state, dstate = parallel.constrain_state(carry.state), parallel.constrain_state(carry.dstate, b, kv_on_model=False)
+  state = parallel.constrain_state(carry.state)
+  dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
   if spec.plain:
     state, verdict = _plain_step(spec, inp, state)
   else:

@@ -30,6 +30,7 @@ class LoadedModel:
   context_length: int | None = None   # trained positions (max_position_embeddings); None = unknown
   mesh: Any = None          # the jax.sharding.Mesh its params are sharded over (specjax.parallel); None = one device
   unpadded_cfg: Any = None  # the checkpoint's config when `cfg` has zero KV groups added for `mesh`; None = cfg
+  head_placement: str = "replicated"   # on `mesh`, trained drafter heads "replicated" or "sharded" (`parallel.place_drafter`)
 
   @property
   def logical_cfg(self):

@@ -13,7 +13,7 @@ import jax
 from specjax.parallel.distributed import initialize_from_env
 from specjax.parallel.mesh import DATA, MODEL, as_mesh, axis_size, describe, make_mesh, parse_mesh
 from specjax.parallel.partition import (check_target, constrain_state, pad_heads, padded_batch, padded_config,
-                                        place_drafter, place_params, place_target, replicate, shard_batch)
+                                        HEAD_PLACEMENTS, place_drafter, place_params, place_target, replicate, shard_batch)
 
 
 def use(mesh):
@@ -24,4 +24,4 @@ def use(mesh):
 
 __all__ = ["DATA", "MODEL", "as_mesh", "axis_size", "check_target", "constrain_state", "describe",
            "initialize_from_env", "make_mesh", "pad_heads", "padded_batch", "padded_config", "parse_mesh",
-           "place_drafter", "place_params", "place_target", "replicate", "shard_batch", "use"]
+           "HEAD_PLACEMENTS", "place_drafter", "place_params", "place_target", "replicate", "shard_batch", "use"]

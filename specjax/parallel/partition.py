@@ -242,22 +242,47 @@ def replicate(tree, mesh: Mesh):
 # drafters
 
 
-def place_drafter(drafter, target_params, mesh: Mesh | None):
+HEAD_PLACEMENTS = ("replicated", "sharded")
+
+
+def head_config(drafter):
+  """The config of a trained head's attention layers (EAGLE-3: its own layer's; MTP / DFlash: the
+  target's, whose heads they keep)."""
+  hc = getattr(drafter, "hc", None)
+  return hc.layer if hc is not None else drafter.cfg
+
+
+def place_drafter(drafter, target_params, mesh: Mesh | None, heads: str = "replicated"):
   """A device drafter whose arrays live on `mesh`: the target's parameters it reads (MTP, EAGLE-3,
-  DFlash) are the target's own sharded arrays, a draft model is sharded like a target when the
+  DFlash) are the target's own sharded arrays, and a draft model is sharded like a target when the
   model axis divides its heads (else replicated: a draft model is small, and is not padded as a
-  target is by `place_target`), trained heads are replicated (a few small matrices per draft step:
-  splitting them would add a collective per step for little memory).
-  Host drafters, chains and drafters without weights are returned as they are."""
+  target is by `place_target`), its KV cache split by heads with it. Trained heads (the other
+  weights) are `heads`:
+    "replicated": whole on every device; a draft step's head math runs on each device, with no
+      collective (the target's sharded embedding and LM head, which MTP / DFlash read, still split);
+    "sharded": split over "model" by the target's rules (`TENSOR_PARALLEL`: attention by KV groups,
+      MLP, the head's own LM head by vocabulary) and its KV cache by heads with them, when the model
+      axis divides the head's KV heads (else replicated); each device reads 1/model of the head's
+      weights per draft step, for 2 all-reduces per head layer.
+  Which is faster depends on the head's size against the step's collectives: experiments measure it
+  (`sharded_round_cost.py --head-placement`). Host drafters, chains and drafters without weights are
+  returned as they are."""
+  if heads not in HEAD_PLACEMENTS:
+    raise UserError(f"heads must be one of {HEAD_PLACEMENTS}, got {heads!r}")
   if mesh is None or not hasattr(drafter, "weights") or drafter.weights is None:
     return drafter
   weights = drafter.weights
+  split = False
   if isinstance(weights, dict) and "target" in weights:
-    placed = {k: (target_params if k == "target" else replicate(v, mesh)) for k, v in weights.items()}
+    split = heads == "sharded" and divides_heads(head_config(drafter), mesh) and axis_size(mesh, MODEL) > 1
+    place_head = (lambda v: place(v, param_shardings(v, mesh))) if split else (lambda v: replicate(v, mesh))
+    placed = {k: (target_params if k == "target" else place_head(v)) for k, v in weights.items()}
   elif divides_heads(drafter.cfg, mesh):          # a draft model: same paths as a target
-    placed = place_params(weights, mesh)
+    placed, split = place_params(weights, mesh), axis_size(mesh, MODEL) > 1
   else:
     placed = replicate(weights, mesh)
+  if split and any(f.name == "kv_on_model" for f in dataclasses.fields(drafter)):
+    return dataclasses.replace(drafter, weights=placed, kv_on_model=True)
   return dataclasses.replace(drafter, weights=placed)
 
 
