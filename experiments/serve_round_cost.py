@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
@@ -53,10 +54,9 @@ def load_target(args):
     # SmolLM2-135M's shapes with random weights: the same kernels and launches as the real model, so
     # round costs need no weights on the machine (greedy output is meaningless; no stop token ends it)
     import jax.numpy as jnp
-    from specjax.models.config import ModelConfig
+    from sharding_bench import SMOLLM2_SHAPES
     from specjax.models.decoder import init_params
-    cfg = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                      ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
+    cfg = SMOLLM2_SHAPES
     return LoadedModel("smollm2-shaped-random", cfg, init_params(cfg, seed=0, dtype=jnp.dtype(args.dtype))), \
         [1 + i % 20000 for i in range(40)]
   from specjax import api

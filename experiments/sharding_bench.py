@@ -61,6 +61,9 @@ from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.load import LoadedModel  # noqa: E402
 
 # Llama-3.1-8B's shapes (HF config.json), weights random
+# SmolLM2-135M's shapes: with random weights, the same kernels and launches as the real model
+SMOLLM2_SHAPES = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                             head_dim=64, ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
 LLAMA31_8B_SHAPES = ModelConfig(arch="llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 head_dim=128, ffn_dim=14336, rope_theta=500000.0,
                                 rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), norm_eps=1e-5)

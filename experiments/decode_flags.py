@@ -1,0 +1,194 @@
+"""What XLA's GPU options do to a plain decode step: kernels per layer and ms per step, per option set.
+
+A batch-1 decode step of SmolLM2-135M is bound by kernel launches, not by its 270 MB of weights
+(~1 ms against a ~0.08 ms bandwidth floor on an H100; experiments/README, "How fast is plain
+decoding?"), so what counts is how many kernels XLA makes of a layer. For each variant (a named set
+of XLA flags, --variants; VARIANTS lists them) a child process started with those flags in
+XLA_FLAGS (they are read once, when the backend starts):
+
+- compiles one plain decode step (`parallel.hlo.decode_step_hlo` on a one-device mesh: the engine's
+  `decode_step`, as the decode loop runs it) of the target cut to 1 and to 2 layers and counts the
+  kernels of each compiled program (`kernel_count`: the instructions that launch work, outside fused
+  computations; command-buffer and other called computations are counted through), so kernels
+  per layer = 2 layers - 1 layer, the rest is the step's own (embedding, LM head, sampling, emit);
+- times plain generation (`generate_plain`) at each --batch for --new-tokens and for twice as many
+  tokens, median of --repeats each: ms per decode step = the difference over the extra tokens, so
+  prefill and the call's fixed cost drop out.
+
+The target: SmolLM2-135M-Instruct's weights (--model, fetched), or its shapes with random weights
+(--random-shape: no download; speed does not depend on the values), or a tiny float32 model on the
+CPU (--tiny: a dry run of the script). One JSON (config, git revision, device, a row per variant and
+batch) and a printed table.
+
+  python experiments/decode_flags.py --random-shape --out $OUT/decode_flags.json            # GPU
+  python experiments/decode_flags.py --variants default triton_gemm_any --out $OUT/f.json
+  python experiments/decode_flags.py --tiny --variants default --batch 1 --new-tokens 4 --out /tmp/f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name -> XLA flags added to the environment's XLA_FLAGS (GPU options; the CPU backend parses them too)
+VARIANTS = {
+    "default": "",
+    # every GEMM through Triton, which can fuse the elementwise work around it (norm scale, residual)
+    "triton_gemm_any": "--xla_gpu_triton_gemm_any=true",
+    # cuBLASLt GEMMs, whose epilogues take bias / activation
+    "cublaslt": "--xla_gpu_enable_cublaslt=true",
+    # dynamic-slice / update-slice work (the KV-cache write) fused with its neighbours
+    "dynamic_slice_fusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
+    # the step's kernels captured in CUDA graphs however few there are in a run
+    "graph_min_1": "--xla_gpu_graph_min_graph_size=1",
+    # the command buffers off: every kernel launched on its own (what graphs buy)
+    "no_command_buffer": "--xla_gpu_enable_command_buffer=",
+}
+
+# instructions that launch no kernel of their own
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+         "partition-id", "replica-id", "add-dependency", "domain", "copy-done", "all-reduce-done",
+         "all-gather-done", "collective-permute-done", "async-done", "send-done", "recv-done"}
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+
+
+def kernel_count(hlo_text: str) -> int:
+  """The kernels a compiled program launches per run, from its HLO text: every instruction of the
+  entry computation and of the computations it calls (while bodies, conditionals, command-buffer
+  calls), whose opcode launches work (`fusion`, `custom-call`: GEMMs, Pallas kernels; `copy`,
+  collectives, ...), not inside fused computations (a fusion is one kernel) nor the reducers of
+  reductions. While bodies count once (one iteration), a conditional as its largest branch plus
+  the predicate's read."""
+  comps: dict[str, list[tuple[str, str]]] = {}
+  entry, cur = None, None
+  for line in hlo_text.splitlines():
+    m = _COMP.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(1)
+      comps[cur] = []
+      if line.startswith("ENTRY"):
+        entry = cur
+      continue
+    i = _INSTR.match(line)
+    if i and cur is not None:
+      comps[cur].append((i.group(1), i.group(2)))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+
+  def count(name: str, seen: frozenset) -> int:
+    n = 0
+    for op, rest in comps.get(name, []):
+      if op in _FREE:
+        continue
+      if op in ("call", "while", "conditional", "async-start"):
+        called = [c for m in _CALLS.finditer(rest) for c in re.split(r",\s*%?", m.group(1))
+                  if c in comps and c not in seen]
+        counts = [count(c, seen | {c}) for c in called]
+        # a conditional runs one branch (the largest counted); a while runs its condition and body
+        n += (max(counts, default=0) if op == "conditional" else sum(counts)) + (op == "conditional")
+        continue
+      n += 1
+    return n
+  return count(entry, frozenset({entry}))
+
+
+def child(args) -> dict:
+  """One variant, in this process (XLA_FLAGS already set): kernels per step and layer, ms per step."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from specjax.bench.env import device_info
+  from specjax.engine.decode import generate_plain
+  from specjax.parallel import make_mesh
+  from specjax.parallel.hlo import decode_step_hlo
+
+  if args.tiny:
+    from sharding_bench import TINY_TARGET, random_target
+    target, dtype = random_target(TINY_TARGET, "tiny", dtype=jnp.float32), jnp.float32
+  elif args.random_shape:
+    from sharding_bench import SMOLLM2_SHAPES, random_target
+    dtype = jnp.dtype(args.dtype)
+    target = random_target(SMOLLM2_SHAPES, "SmolLM2-135M shapes (random)", dtype=dtype)
+  else:
+    from specjax.models.load import load_model
+    dtype = jnp.dtype(args.dtype)
+    target = load_model(args.model, dtype=dtype)
+  cfg = target.cfg
+  mesh = make_mesh("data=1,model=1", jax.devices()[:1])
+  kernels = {n: kernel_count(decode_step_hlo(cfg.replace(n_layers=n), mesh, 1, capacity=args.capacity, dtype=dtype))
+             for n in (1, 2)}
+  per_layer = kernels[2] - kernels[1]
+  rng = np.random.default_rng(0)
+  rows = []
+  for b in args.batch:
+    prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size, args.prompt_len)] for _ in range(b)]
+    times = {}
+    for n in (args.new_tokens, 2 * args.new_tokens):
+      run = lambda: generate_plain(target.params, cfg, prompts, max_new_tokens=n, capacity=args.capacity)
+      run()                                                   # compilation
+      times[n] = statistics.median(run().seconds for _ in range(args.repeats))
+    ms = 1e3 * (times[2 * args.new_tokens] - times[args.new_tokens]) / args.new_tokens
+    rows.append({"batch": b, "ms_per_step": round(ms, 4), "tokens_per_s_steps": round(1e3 * b / ms, 1),
+                 "seconds": {str(k): round(v, 5) for k, v in times.items()}})
+  return {"kernels_per_layer": per_layer, "kernels_outside_layers": kernels[1] - per_layer,
+          "kernels_per_step": kernels[1] + (cfg.n_layers - 1) * per_layer, "n_layers": cfg.n_layers,
+          "rows": rows, "device": device_info(), "target": target.name, "cfg": repr(cfg)}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  ap.add_argument("--model", default="smollm2-135m-instruct")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--random-shape", action="store_true", help="the model's shapes with random weights")
+  ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (a CPU dry run)")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+  ap.add_argument("--new-tokens", type=int, default=128, help="timed at this many and twice as many")
+  ap.add_argument("--prompt-len", type=int, default=64)
+  ap.add_argument("--capacity", type=int, default=1024)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--one", default=None, help=argparse.SUPPRESS)        # the child's variant
+  args = ap.parse_args(argv)
+  if args.one is not None:
+    print("DECODE_FLAGS " + json.dumps(child(args)), flush=True)
+    return 0
+
+  from specjax.bench.env import git_revision
+  out = {"experiment": "decode_flags", "config": vars(args), "git_revision": git_revision(),
+         "variants": {k: VARIANTS[k] for k in args.variants}, "results": {}}
+  passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+  for name in args.variants:
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip()}
+    r = subprocess.run([sys.executable, __file__, *passthrough, "--one", name], env=env, capture_output=True,
+                       text=True)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("DECODE_FLAGS ")), None)
+    if r.returncode != 0 or line is None:
+      out["results"][name] = {"error": (r.stderr or r.stdout)[-1500:]}
+      print(f"[decode_flags] {name}: failed\n{(r.stderr or r.stdout)[-1500:]}", flush=True)
+    else:
+      got = json.loads(line[len("DECODE_FLAGS "):])
+      out["results"][name] = got
+      out["device"] = got["device"]
+      steps = "  ".join(f"b{row['batch']} {row['ms_per_step']:.3f} ms" for row in got["rows"])
+      print(f"[decode_flags] {name:22s} kernels/layer {got['kernels_per_layer']:3d}  outside {got['kernels_outside_layers']:3d}"
+            f"  step {got['kernels_per_step']:4d}  {steps}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

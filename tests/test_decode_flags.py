@@ -1,0 +1,107 @@
+"""experiments/decode_flags.py: the kernel count of a compiled program, and the script's CPU dry run.
+
+`kernel_count` reads compiled HLO text: on a hand-written module whose count is known (a fusion is
+one kernel whatever it fuses; a while body counts once; a conditional counts its largest branch
+and its predicate; parameters, tuples and bitcasts launch nothing; a reduction's reducer and a
+fused computation are not walked). The dry run (--tiny, one variant, a tiny float32 model on the
+CPU, in a subprocess as the script runs its variants) writes a row with kernels per layer > 0 and a
+timing per batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "decode_flags.py"
+
+HLO = """HloModule m, is_scheduled=true
+
+%fused_computation (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %a = f32[4]{0} add(%p0, %p1)
+  ROOT %m = f32[4]{0} multiply(%a, %a)
+}
+
+%add_reducer (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[4]{0} get-tuple-element(%t), index=1
+  %f1 = f32[4]{0} fusion(%v, %v), kind=kLoop, calls=%fused_computation
+  %f2 = f32[4]{0} fusion(%f1, %v), kind=kLoop, calls=%fused_computation
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %f2)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%small (v: f32[4]) -> f32[4] {
+  %v = f32[4]{0} parameter(0)
+  ROOT %g = f32[4]{0} fusion(%v, %v), kind=kLoop, calls=%fused_computation
+}
+
+%large (v: f32[4]) -> f32[4] {
+  %v = f32[4]{0} parameter(0)
+  %g1 = f32[4]{0} fusion(%v, %v), kind=kLoop, calls=%fused_computation
+  %g2 = f32[4]{0} custom-call(%g1), custom_call_target="__cublas$gemm"
+  ROOT %g3 = f32[4]{0} copy(%g2)
+}
+
+ENTRY %main (a: f32[4], p: pred[]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %p = pred[] parameter(1)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[4]{0}) tuple(%z, %a)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body
+  %o = f32[4]{0} get-tuple-element(%w), index=1
+  %k = f32[4]{0} conditional(%p, %o, %o), branch_computations={%small, %large}
+  %b = f32[4]{0} bitcast(%k)
+  %red = f32[] reduce(%b, %z), dimensions={0}, to_apply=%add_reducer
+  ROOT %out = f32[4]{0} fusion(%b, %b), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_kernel_count_counts_what_launches():
+  """while: condition's compare (1) + body's 2 fusions; conditional: its predicate (1) + the larger
+  branch (3); the reduce (1) and the final fusion (1); 9 in all."""
+  assert _module().kernel_count(HLO) == 1 + 2 + 1 + 3 + 1 + 1
+
+
+def test_tiny_dry_run_writes_kernels_and_timings(tmp_path):
+  out = tmp_path / "flags.json"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
+  r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--variants", "default", "--batch", "1",
+                      "--new-tokens", "4", "--repeats", "1", "--capacity", "128", "--prompt-len", "8",
+                      "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-4000:]
+  got = json.loads(out.read_text())
+  row = got["results"]["default"]
+  assert "error" not in row, row
+  assert row["kernels_per_layer"] > 0 and row["kernels_outside_layers"] > 0, row
+  assert row["kernels_per_step"] == row["kernels_outside_layers"] + row["n_layers"] * row["kernels_per_layer"]
+  assert [x["batch"] for x in row["rows"]] == [1] and set(row["rows"][0]["seconds"]) == {"4", "8"}
+  assert got["git_revision"] == "test" and "[decode_flags] default" in r.stdout
