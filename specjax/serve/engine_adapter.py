@@ -483,7 +483,8 @@ class SlotEngine:
     fixed cost and never looked cheap enough to run (plain steps under a tree at 64 clients)."""
     saved, dev = (self.state, self.dstate), self._device_params()
     sampling, dp, max_new = dev
-    self._dev = sampling, dp, jnp.full_like(max_new, self.capacity)           # no slot stops on its budget
+    # no slot stops on its budget; put as `_device_params` puts its arrays (the round programs' input layout)
+    self._dev = sampling, dp, jax.device_put(np.full(np.shape(self.max_new), self.capacity, np.int32))
     rounds = self.rounds_max
     ms, self.cost_call_rounds = [], []
     try:
