@@ -238,8 +238,9 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
       raise ConfigError(f"mesh: {str(e).removeprefix('mesh: ')}") from None
     if cfg.batch_size % data:
       raise ConfigError(f"mesh: the data axis ({data}) must divide batch_size ({cfg.batch_size})")
-  if cfg.head_placement not in ("replicated", "sharded"):
-    raise ConfigError(f"head_placement: must be replicated or sharded, got {cfg.head_placement!r}")
+  from specjax.parallel.partition import HEAD_PLACEMENTS
+  if cfg.head_placement not in HEAD_PLACEMENTS:
+    raise ConfigError(f"head_placement: must be one of {', '.join(HEAD_PLACEMENTS)}, got {cfg.head_placement!r}")
   widest = max([verify_width(m) for m in cfg.methods] + [0])
   capacity = DEFAULT_CAPACITY if cfg.capacity is None else cfg.capacity
   if capacity < cfg.max_new_tokens + widest + 2 or capacity > _INT32:

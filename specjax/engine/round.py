@@ -55,7 +55,7 @@ class RoundSpec:
   @property
   def drafter_kv_on_model(self) -> bool:
     """The drafter's KV caches are split over "model" (its attention weights are)."""
-    return self.drafter is not None and getattr(self.drafter, "kv_on_model", False)
+    return self.drafter is not None and self.drafter.kv_on_model
 
   @property
   def plain(self) -> bool:

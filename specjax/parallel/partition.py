@@ -275,7 +275,7 @@ def place_drafter(drafter, target_params, mesh: Mesh | None, heads: str = "repli
   split = False
   if isinstance(weights, dict) and "target" in weights:
     split = heads == "sharded" and divides_heads(head_config(drafter), mesh) and axis_size(mesh, MODEL) > 1
-    place_head = (lambda v: place(v, param_shardings(v, mesh))) if split else (lambda v: replicate(v, mesh))
+    place_head = (lambda v: place_params(v, mesh)) if split else (lambda v: replicate(v, mesh))
     placed = {k: (target_params if k == "target" else place_head(v)) for k, v in weights.items()}
   elif divides_heads(drafter.cfg, mesh):          # a draft model: same paths as a target
     placed, split = place_params(weights, mesh), axis_size(mesh, MODEL) > 1

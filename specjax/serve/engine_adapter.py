@@ -480,13 +480,13 @@ class SlotEngine:
     then take, which are measured the same way (a call's time over its rounds): a width the server
     never runs keeps its warm-up cost, so it has to be the cost of a call as the server makes it,
     its fixed cost shared by as many rounds; timed one round a call, an idle width carried the whole
-    fixed cost and never looked cheap enough to run (plain steps under a tree at 64 clients)."""
+    fixed cost and never looked cheap enough to run."""
     saved, dev = (self.state, self.dstate), self._device_params()
     sampling, dp, max_new = dev
     # no slot stops on its budget; put as `_device_params` puts its arrays (the round programs' input layout)
     self._dev = sampling, dp, jax.device_put(np.full(np.shape(self.max_new), self.capacity, np.int32))
     rounds = self.rounds_max
-    ms, self.cost_call_rounds = [], []
+    ms = []
     try:
       for w in self.control.widths:
         times = []
@@ -496,7 +496,6 @@ class SlotEngine:
           t0 = time.perf_counter()
           ran = self._timed_round(w, rounds)
           times.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
-          self.cost_call_rounds.append(ran)
         ms.append(float(np.median(times[1:])))
     finally:
       self.state, self.dstate = saved
