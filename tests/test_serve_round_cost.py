@@ -21,7 +21,7 @@ def test_tiny_serve_round_cost_has_every_row(tmp_path):
   out = tmp_path / "serve_round_cost.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
   r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "16",
-                      "--capacity", "128", "--slots", "1", "4", "--rounds-per-call", "1", "8", "--repeats", "1",
+                      "--capacity", "128", "--slots", "1", "4", "--rounds-per-call", "1", "8", "--repeats", "3",
                       "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   res = json.loads(out.read_text())
