@@ -1,4 +1,5 @@
-"""experiments/decode_flags.py: the kernel count of a compiled program, and the script's CPU dry run.
+"""experiments/decode_flags.py: the kernel count of a compiled program, and the script's CPU dry run;
+experiments/profile_decode_trace.py: device busy time, gaps and kernels by kind from a trace.
 
 `kernel_count` reads compiled HLO text: on a hand-written module whose count is known (a fusion is
 one kernel whatever it fuses; a while body counts once; a conditional counts its largest branch
@@ -105,3 +106,53 @@ def test_tiny_dry_run_writes_kernels_and_timings(tmp_path):
   assert row["kernels_per_step"] == row["kernels_outside_layers"] + row["n_layers"] * row["kernels_per_layer"]
   assert [x["batch"] for x in row["rows"]] == [1] and set(row["rows"][0]["seconds"]) == {"4", "8"}
   assert got["git_revision"] == "test" and "[decode_flags] default" in r.stdout
+
+
+def _profile_trace():
+  """experiments/profile_decode_trace.py as a module (it imports its sibling sharding_bench)."""
+  sys.path.insert(0, str(ROOT / "experiments"))
+  spec = importlib.util.spec_from_file_location("profile_decode_trace", ROOT / "experiments" / "profile_decode_trace.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _trace(events):
+  """A Perfetto-style trace: a host process and a GPU process with one stream, then EVENTS as
+  (pid, name, ts, dur)."""
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}}]
+  return {"traceEvents": meta + [{"ph": "X", "pid": p, "tid": 7, "name": n, "ts": t, "dur": d}
+                                 for p, n, t, d in events]}
+
+
+def test_trace_summary_counts_device_busy_time_and_gaps():
+  """Only device events count; overlapping kernels are busy once; gaps lie between busy spans."""
+  m = _profile_trace()
+  device_events, summarize = m.device_events, m.summarize
+  trace = _trace([(1, "PjitFunction", 0.0, 100.0),                 # host: left out
+                  (2, "loop_add_fusion", 0.0, 10.0),
+                  (2, "sm90_xmma_gemm_bf16", 5.0, 10.0),            # overlaps the first: busy 0..15
+                  (2, "loop_add_fusion", 20.0, 5.0),                 # gap 5
+                  (2, "triton_softmax", 35.0, 5.0)])                 # gap 10
+  ev = device_events(trace)
+  assert [e["name"] for e in ev] == ["loop_add_fusion", "sm90_xmma_gemm_bf16", "loop_add_fusion", "triton_softmax"]
+  s = summarize(ev, steps=2, wall_s=50e-6, top=10)
+  assert s["busy_ms_per_step"] == round(25 / 1e3 / 2, 4)
+  assert s["kernel_ms_per_step"] == round(30 / 1e3 / 2, 4)
+  assert s["kernels_per_step"] == 2.0
+  assert s["gap_us"]["sum_ms_per_step"] == round(15 / 1e3 / 2, 4) and s["gap_us"]["median"] == 7.5
+  assert s["busy_over_wall"] == 0.5
+  assert s["by_kind"]["fusion"]["per_step"] == 1.0 and s["by_kind"]["gemm"]["ms_per_step"] == 0.005
+  assert s["top_kernels"][0] == {"name": "loop_add_fusion", "kind": "fusion", "per_step": 1.0, "mean_us": 7.5,
+                                 "share": 0.5}
+
+
+def test_trace_tiny_dry_run_writes_rows(tmp_path):
+  """The script runs end to end on the CPU (whose trace has no device events) and writes a row per batch."""
+  main = _profile_trace().main
+  out = tmp_path / "t.json"
+  assert main(["--tiny", "--batch", "1", "--new-tokens", "4", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["batch"] for r in rows] == [1] and rows[0]["untraced_wall_ms_per_step"] > 0
