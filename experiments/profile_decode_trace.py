@@ -45,7 +45,7 @@ def kernel_kind(name: str) -> str:
     return "gemm"
   if any(k in n for k in ("memcpy", "memset", "copy")):
     return "copy/memset"
-  if "triton" in n or "pallas" in n:
+  if "triton" in n or "pallas" in n or "attention" in n:     # Pallas kernels carry their function's name
     return "triton/pallas"
   if "fusion" in n or "loop_" in n or "input_" in n or "reduce" in n:
     return "fusion"
@@ -141,7 +141,10 @@ def plot(rows: list[dict], path: Path) -> None:
     vals = [r["by_kind"].get(kind, {}).get("ms_per_step", 0.0) for r in rows]
     axes[0].bar(labels, vals, bottom=bottom, label=kind)
     bottom = [b + v for b, v in zip(bottom, vals)]
-  axes[0].scatter(labels, [r["wall_ms_per_step"] for r in rows], color="k", marker="_", s=900, label="wall", zorder=3)
+  axes[0].scatter(labels, [r["untraced_wall_ms_per_step"] for r in rows], color="k", marker="_", s=900,
+                  label="wall (untraced)", zorder=3)
+  axes[0].scatter(labels, [r["wall_ms_per_step"] for r in rows], color="grey", marker="_", s=900,
+                  label="wall (traced)", zorder=3)
   axes[0].set_ylabel("ms per decode step")
   axes[0].set_title("kernel time by kind vs wall time")
   axes[0].legend(fontsize=8)
