@@ -70,7 +70,8 @@ class _ChatTokens:
 def test_bench_serve_clients_in_processes(tmp_path):
   """bench-serve's levels split over client processes (clients dealt out evenly, each sending its
   own prompts; a rate split evenly) and run end to end against a tiny server from 2 processes:
-  every request answered in full, the server's device calls and rounds by bucket in each row, no
+  every request answered in full, the server's device calls and rounds by bucket in each row, its
+  prefill calls and the prompt pieces they took (one per request: the prompts are short), no
   compilation during a timed level (warm-up compiled everything), and the model thread's time by
   part within the level's wall time."""
   from specjax.serve.bench_serve import BenchServeConfig, run_bench, shares
@@ -89,6 +90,7 @@ def test_bench_serve_clients_in_processes(tmp_path):
   for r in rows:
     assert r["ok"] == r["requests"] == 5 and r["output_tokens"] == 5 * 6 and r["throughput_tok_s"] > 0
     assert 0 < r["device_calls"] <= sum(r["rounds_by_batch"].values())
+    assert 0 < r["prefill_calls"] <= r["prefill_rows"] == 5     # every request's prompt in one piece (short prompts)
     assert r["compiles"] == 0 and r["compile_s"] == 0, r
     parts = r["model_thread_s"]
     assert set(parts) == {"rounds", "prefill", "host"} and parts["rounds"] > 0

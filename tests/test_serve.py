@@ -375,8 +375,9 @@ class _Slots:
 
 def test_rounds_per_call_follow_waiting_requests():
   """The engine's most rounds per call while nothing waits; one while a prompt is prefilled in
-  chunks; while requests wait for a full batch, the rounds until a running request may end (its
-  budget at the widest draft)."""
+  chunks; while requests wait for a full batch, the rounds until a running request is expected to
+  end: its tokens left at its slot's tokens per round, once the slot has run a few rounds (before
+  that the pooled figure of the running slots; with no rounds yet, the most a round emits)."""
   sched = Scheduler(_Slots(), max_queue=4)
   assert sched._next_rounds() == 8
   a, b = (sched.submit(GenRequest([1], max_tokens=n), lambda e: None) for n in (40, 100))
@@ -385,6 +386,11 @@ def test_rounds_per_call_follow_waiting_requests():
   a.n_out = 30                                             # 10 tokens left: 3 rounds of 4 at the fastest
   sched._waiting.append(sched.submit(GenRequest([1]), lambda e: None))
   assert sched._next_rounds() == 3
+  sched._counters.rounds[:] = [10, 10]                   # a emitted 2 per round: 5 rounds; b 1 per round: 70
+  sched._counters.emitted[:] = [20, 10]
+  assert sched._next_rounds() == 5
+  sched._counters.rounds[:] = [2, 10]                    # a too new to tell: the pooled 30 / 12 per round, 4 rounds
+  assert sched._next_rounds() == 4
   sched._joining.append((sched._waiting.popleft(), None))
   assert sched._next_rounds() == 1
 

@@ -163,16 +163,18 @@ def summarize(samples: list[Sample], wall: float) -> dict:
           "tau": (n_out - len(ok)) / rounds if rounds else None}     # the prefill's token is not a round's
 
 
-_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|compiles|compile_seconds|'
-                         r'model_thread_seconds)_total(?:\{\w+="(\w+)"\})? (\S+)$', re.M)
+_COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|prefill_calls|prefill_rows|compiles|'
+                         r'compile_seconds|model_thread_seconds)_total(?:\{\w+="(\w+)"\})? (\S+)$', re.M)
 _COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls",
+                "prefill_calls": "prefill_calls", "prefill_rows": "prefill_rows",
                 "compiles": "compiles", "compile_seconds": "compile_s", "model_thread_seconds": "model_thread_s"}
 _SECONDS = ("compile_seconds", "model_thread_seconds")
 
 
 async def server_counts(client) -> dict[str, dict[str, float]]:
   """The server's rounds so far at each verification width ("rounds_by_width") and in each batch
-  bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}) and XLA compilations
+  bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}), its prefill calls and the
+  prompt pieces they took ("prefill_calls", "prefill_rows") and XLA compilations
   ("compiles", "compile_s": their seconds) and its model thread's seconds by part ("model_thread_s":
   rounds, prefill, host), from its /metrics ({} without them)."""
   r = await client.get("/metrics")
@@ -280,7 +282,7 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
       for key, counts in after.items():
         then = before.get(key, {})
         row[key] = {k: n - then.get(k, 0) for k, n in counts.items() if n - then.get(k, 0)}
-      for key in ("device_calls", "compiles", "compile_s"):     # unlabelled counters: one number each
+      for key in ("device_calls", "prefill_calls", "prefill_rows", "compiles", "compile_s"):   # unlabelled: one number each
         row[key] = row.get(key, {}).get("", 0)
       row["compile_s"] = round(row["compile_s"], 3)
       row["model_thread_s"] = {k: round(v, 3) for k, v in row.get("model_thread_s", {}).items()}

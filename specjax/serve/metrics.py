@@ -57,6 +57,10 @@ class ServeMetrics:
     self.batches = Counter("specjax_rounds_at_batch", "rounds by batch bucket (the live slots gathered)",
                            ["batch"], registry=r)
     self.calls = Counter("specjax_device_calls", "device calls of rounds (one host round trip each)", registry=r)
+    self.prefill_calls = Counter("specjax_prefill_calls", "prefill calls (joining requests' prompt pieces, stacked)",
+                                 registry=r)
+    self.prefill_rows = Counter("specjax_prefill_rows", "prompt pieces prefilled (a call's rows before padding)",
+                                registry=r)
     self.compiles = Counter("specjax_compiles", "XLA compilations in the server's process", registry=r)
     self.compile_seconds = Counter("specjax_compile_seconds", "seconds spent in XLA compilations", registry=r)
     self.thread_seconds = Counter("specjax_model_thread_seconds",
@@ -121,6 +125,11 @@ class ServeMetrics:
       self._pos += by_pos
       for i in np.flatnonzero(by_pos[:, 0]):
         self.by_pos.labels(position=str(i)).set(self._pos[i, 1] / self._pos[i, 0])
+
+  def prefilled(self, rows: int) -> None:
+    """One prefill call of `rows` joining requests' pieces."""
+    self.prefill_calls.inc()
+    self.prefill_rows.inc(rows)
 
   def thread_time(self, rounds: float, prefill: float, host: float) -> None:
     """One scheduler iteration's wall time by part."""

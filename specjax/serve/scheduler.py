@@ -11,7 +11,7 @@ wait per join), and delivered before the tokens of its first rounds.
 A call runs up to the engine's `rounds_max` rounds, so that one host round trip, one pass of
 bookkeeping and one event per request cover several rounds; requests join between calls, so a
 call runs one round while a prompt is prefilled in chunks, and while requests wait for a slot it
-ends where the first running request may end. A request that arrives during a call waits for it
+ends where the first running request is expected to end. A request that arrives during a call waits for it
 to end (at most `rounds_max` rounds); one cancelled during a call loses at most that call's
 tokens. The bookkeeping of a call is array arithmetic over the slots (per-slot counters, read
 into a request's usage when it ends), and an iteration's events reach each asyncio loop in one
@@ -43,6 +43,8 @@ import numpy as np
 
 from specjax.drafters.base import DraftParams
 from specjax.serve.engine_adapter import SlotEngine
+
+RATE_ROUNDS = 4     # rounds a slot runs before its own tokens per round predict when its request ends
 
 
 class QueueFull(Exception):
@@ -276,17 +278,34 @@ class Scheduler:
 
   def _next_rounds(self) -> int:
     """One round while requests are joining (their next prefill calls run between calls of rounds);
-    while requests wait for a slot, the rounds until the first running request may end (its token
-    budget at the most tokens a round emits), so that a waiting request takes its slot then; else the engine's
+    while requests wait for a slot, the rounds until the first running request is expected to end
+    (`_expected_rounds_left`), so that a waiting request takes its slot then; else the engine's
     most. With `call_ms`, never more rounds than fit the budget at the running cost of a round in
     the bucket the call runs in (`_rounds_in_budget`)."""
     most = self._rounds_in_budget(self.engine.rounds_max)
     if self._joining:
       return 1
     if self._waiting:
-      left = min(h.request.max_tokens - h.n_out for h in self._slots if h is not None)
-      return max(1, min(most, -(-left // self.engine.max_tokens_per_round)))
+      return max(1, min(most, self._expected_rounds_left()))
     return most
+
+  def _expected_rounds_left(self) -> int:
+    """The fewest rounds any running request needs to reach its token budget, at the tokens per
+    round its slot has emitted so far (once it has run `RATE_ROUNDS` rounds; before that, the
+    running slots' pooled figure, or the most a round emits when no slot has one). Counting every
+    round at the most a round can emit would, for a speculator, end calls after a round or two
+    whenever a request waits (each call paying its fixed cost), and the requests that end in
+    between would join one at a time, each in a prefill call of its own."""
+    slots = np.array([i for i, h in enumerate(self._slots) if h is not None], np.int64)
+    if slots.size == 0:
+      return 1
+    left = np.array([self._slots[i].request.max_tokens - self._slots[i].n_out for i in slots], np.float64)
+    rounds, emitted = self._counters.rounds[slots], self._counters.emitted[slots]
+    top = float(self.engine.max_tokens_per_round)
+    pooled = emitted.sum() / rounds.sum() if rounds.sum() else top
+    rate = np.where(rounds >= RATE_ROUNDS, emitted / np.maximum(rounds, 1), pooled)
+    rate = np.clip(rate, 1.0, top)
+    return int(np.min(np.ceil(left / rate)))
 
   def _rounds_in_budget(self, most: int) -> int:
     """The rounds of a call that fit `call_ms`: a device call has a fixed cost besides its rounds
@@ -346,6 +365,8 @@ class Scheduler:
         break
       budget, first = budget - work, False
       done = {id(j) for j in self.engine.prefill(batch)}    # these are in their slots now
+      if self.metrics is not None:
+        self.metrics.prefilled(len(batch))
       for h, j in self._joining:
         if id(j) in done:
           self._slots[h.slot] = h
