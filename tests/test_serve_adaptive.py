@@ -13,6 +13,7 @@ import pytest
 from conftest import TINY_LLAMA, random_params
 from specjax.models.load import LoadedModel
 from specjax.serve.app import run_in_thread
+from specjax.serve.bench_serve import adaptive_state
 from specjax.serve.cli import build_server
 
 TINY_PARAMS = random_params(TINY_LLAMA, seed=0)
@@ -47,7 +48,8 @@ def test_adaptive_lossless_and_fields_stay_per_request(offline_tiny):
   """Adaptive drafting (device ngram_simple, replayed acceptance) over 4 slots and 6 requests, one
   with speculation off and one limited to one draft token: every request equals offline greedy
   generation of its prompt alone, whatever widths the batch ran; the off request never drafts and
-  the limited one drafts at most one token a round, while the others do speculate. Costs are fixed
+  the limited one drafts at most one token a round, while the others do speculate; /metrics shows
+  the controller's cost and replayed tokens per round at every width. Costs are fixed
   in the config, so the widths follow acceptance only, not this machine's timing."""
   target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
   server = build_server(target, "ngram_simple", slots=4, capacity=128, n_max=4, options={"size_n": 2},
@@ -56,10 +58,16 @@ def test_adaptive_lossless_and_fields_stay_per_request(offline_tiny):
   try:
     fields = [None, None, {"enabled": False}, {"n_max": 1}, None, None]
     out = _all_at_once(url, fields)
+    metrics_text = httpx.get(f"{url}/metrics").text
   finally:
     http.should_exit = True
   for body, want in zip(out, offline_tiny):
     assert body["choices"][0]["token_ids"] == want
+  # /metrics shows the controller's costs and replayed tokens per round by width (bench-serve keeps them)
+  state = adaptive_state(metrics_text)
+  control = server.scheduler.engine.control
+  assert state["round_ms"]["all"] == {str(w): c for w, c in zip(control.widths, [1.0, 1.2, 1.4, 1.8])}
+  assert set(state["tau"]) == {str(w) for w in control.widths} and all(t >= 1.0 for t in state["tau"].values())
   usage = [b["usage"]["speculative"] for b in out]
   assert usage[2]["draft_tokens"] == 0 and usage[2]["rounds"] == ADAPTIVE_NEW - 1
   assert usage[3]["draft_tokens"] <= usage[3]["rounds"]

@@ -171,16 +171,35 @@ _COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds
 _SECONDS = ("compile_seconds", "model_thread_seconds")
 
 
+_ADAPTIVE_LINE = re.compile(r'^specjax_adaptive_(round_ms|tau)\{(.*?)\} (\S+)$', re.M)
+
+
+def adaptive_state(text: str) -> dict:
+  """The adaptive controller's gauges in a /metrics text: {"round_ms": {bucket: {width: ms}},
+  "tau": {width: tokens per round}} ({} without an adaptive controller)."""
+  out: dict = {}
+  for name, labels, value in _ADAPTIVE_LINE.findall(text):
+    lab = dict(re.findall(r'(\w+)="(\w+)"', labels))
+    if name == "round_ms":
+      out.setdefault("round_ms", {}).setdefault(lab["bucket"], {})[lab["width"]] = round(float(value), 4)
+    else:
+      out.setdefault("tau", {})[lab["width"]] = round(float(value), 4)
+  return out
+
+
 async def server_counts(client) -> dict[str, dict[str, float]]:
   """The server's rounds so far at each verification width ("rounds_by_width") and in each batch
   bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}), its prefill calls and the
-  prompt pieces they took ("prefill_calls", "prefill_rows") and XLA compilations
+  prompt pieces they took ("prefill_calls", "prefill_rows"), XLA compilations
   ("compiles", "compile_s": their seconds) and its model thread's seconds by part ("model_thread_s":
-  rounds, prefill, host), from its /metrics ({} without them)."""
+  rounds, prefill, host), and an adaptive controller's state ("adaptive", `adaptive_state`), from its
+  /metrics ({} without them)."""
   r = await client.get("/metrics")
   out: dict[str, dict[str, float]] = {}
   for name, label, n in (_COUNT_LINE.findall(r.text) if r.status_code == 200 else []):
     out.setdefault(_COUNT_NAMES[name], {})[label] = float(n) if name in _SECONDS else int(float(n))
+  if r.status_code == 200 and (state := adaptive_state(r.text)):
+    out["adaptive"] = state
   return out
 
 
@@ -279,6 +298,8 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
           wall = time.perf_counter() - t0
       row = {"method": method_name(method), kind: level, "client_processes": processes, **summarize(samples, wall)}
       after = await server_counts(client)
+      adaptive = after.pop("adaptive", None)         # gauges: the controller's state at the level's end
+      before.pop("adaptive", None)
       for key, counts in after.items():
         then = before.get(key, {})
         row[key] = {k: n - then.get(k, 0) for k, n in counts.items() if n - then.get(k, 0)}
@@ -286,6 +307,8 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
         row[key] = row.get(key, {}).get("", 0)
       row["compile_s"] = round(row["compile_s"], 3)
       row["model_thread_s"] = {k: round(v, 3) for k, v in row.get("model_thread_s", {}).items()}
+      if adaptive:
+        row["adaptive"] = adaptive
       rows.append(row)
       on_row(row)
   return rows

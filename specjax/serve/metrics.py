@@ -66,6 +66,11 @@ class ServeMetrics:
     self.thread_seconds = Counter("specjax_model_thread_seconds",
                                   "the model thread's wall time by part: rounds (calls of rounds, waited for), "
                                   "prefill (prefill calls dispatched, admissions), host (the rest)", ["part"], registry=r)
+    self.adaptive_ms = Gauge("specjax_adaptive_round_ms",
+                             "the adaptive controller's running cost of a round (ms) by batch bucket and width",
+                             ["bucket", "width"], registry=r)
+    self.adaptive_tau = Gauge("specjax_adaptive_tau", "the adaptive controller's expected tokens per slot-round by "
+                              "width (replayed or tallied; absent for position-rate controllers)", ["width"], registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -130,6 +135,19 @@ class ServeMetrics:
     """One prefill call of `rows` joining requests' pieces."""
     self.prefill_calls.inc()
     self.prefill_rows.inc(rows)
+
+  def adaptive(self, record: dict) -> None:
+    """The adaptive controller's state (`record()` of `adaptive_slots` / `adaptive_tree_slots`):
+    its cost of a round at each width, over every slot ("all") and per smaller bucket, and its
+    expected tokens per round at each width where it has them."""
+    widths = record["widths"]
+    by_bucket = {"all": record["costs_ms"], **record.get("costs_ms_by_bucket", {})}
+    for bucket, costs in by_bucket.items():
+      for w, ms in zip(widths, costs):
+        self.adaptive_ms.labels(bucket=str(bucket), width=str(w)).set(ms)
+    tau = record.get("replayed_tau", record.get("tau_by_budget"))
+    for w, t in zip(widths, tau or ()):
+      self.adaptive_tau.labels(width=str(w)).set(t)
 
   def thread_time(self, rounds: float, prefill: float, host: float) -> None:
     """One scheduler iteration's wall time by part."""
