@@ -81,10 +81,10 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   and 2 at fixed costs (a round at width 2 costs 1.5 plain steps; measured costs of this tiny model
   on a CPU are all dispatch and say nothing): after its first exploring rounds the batch runs at
   width 0, several rounds per call, and the output is still offline greedy. The warm-up's timing
-  gives a positive cost for every width, each the time of a call over the rounds it ran, and its
-  calls run as many rounds as the server's (`rounds_max`: the free slots of the copy it times are
-  marked not done and their token budgets lifted, else a call would end before, or after, its first
-  round), so a width the server never runs is priced as the ones it does."""
+  gives a positive cost for every width, each from calls of as many rounds as the server's
+  (`rounds_max`: the free slots of the copy it times are marked not done and their token budgets
+  lifted, else a call would end before, or after, its first round), and a call of one round gives
+  the fixed cost of a call, which the costs leave out."""
   from specjax.drafters.mtp import init_heads
   target = LoadedModel("tiny", TINY_LLAMA, TINY_PARAMS)
   server = build_server(target, "mtp", head=init_heads(TINY_LLAMA, 2, seed=1), slots=4, capacity=128, n_max=2,
@@ -99,8 +99,10 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   engine._run = counted
   measured = engine.round_costs(repeats=1)
   del engine._run
-  assert engine.rounds_max > 1 and ran == [engine.rounds_max] * 4, ran   # 2 widths x (1 untimed + 1 timed)
+  # 2 widths x (1 untimed + 1 timed) calls of rounds_max rounds, then one call of a round for the fixed cost
+  assert engine.rounds_max > 1 and ran == [engine.rounds_max] * 4 + [1], ran
   assert measured.shape == (2,) and (measured > 0).all() and engine.control.costs.tolist() == [1.0, 1.5]
+  assert engine.call_fixed_ms >= 0.0 and engine.control.call_ms == 0.0     # fixed config costs stay as given
   http, url = run_in_thread(server.app())
   try:
     out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))
@@ -114,6 +116,26 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   for body in out:
     u = body["usage"]["speculative"]
     assert u["draft_tokens"] <= 2 * 8 and u["accepted_tokens"] <= u["draft_tokens"] // 2, u
+
+
+def test_round_costs_leave_the_call_fixed_cost_out():
+  """A width's rounds measure the same whatever the length of the call they ran in (the call's fixed
+  cost apart, `SlotEngine._round_ms`), and the rule prices a width at its round plus the fixed cost
+  shared by the planned call's rounds (`plan_costs`): short calls make every width dearer by the
+  same amount, not the width that happened to run in them."""
+  from specjax.engine.adaptive import AdaptiveConfig
+  from specjax.serve.adaptive_slots import RoundCosts
+  from specjax.serve.engine_adapter import SlotEngine
+  engine = SlotEngine.__new__(SlotEngine)            # `_round_ms` reads only the fixed cost
+  engine.call_fixed_ms = 2.0
+  assert engine._round_ms(10.0, 8) == engine._round_ms(3.0, 1) == pytest.approx(1.0)
+  assert engine._round_ms(2.0, 1) == pytest.approx(0.2)       # never below a tenth of the call's time per round
+  costs = RoundCosts(AdaptiveConfig(), (0, 4))
+  costs.set_costs([1.0, 1.5], call_ms=engine.call_fixed_ms)
+  assert costs.plan_costs(None, 1).tolist() == [3.0, 3.5]
+  assert costs.plan_costs(None, 4).tolist() == [1.5, 2.0]
+  costs.observe_cost(4, engine._round_ms(2.0 + 1.5, 1), None)   # a width-4 round in a one-round call
+  assert costs.costs.tolist() == pytest.approx([1.0, 1.5])
 
 
 def _metric(url: str, name: str, **labels) -> float:

@@ -27,7 +27,11 @@ speculation off counts one token per round at every width. cost(w) is the wall t
 server's own rounds at width w in the call's batch bucket: the warm-up's timing first, then a
 running average (weight of the past `decay`) of the rounds that ran at w, host overhead and
 drafting included, each counted at most `STALL` times the running figure (a call that waited for
-the interpreter lock or a compilation would otherwise make its width look dear for many rounds).
+the interpreter lock or a compilation would otherwise make its width look dear for many rounds),
+plus the device call's fixed cost (timed in the warm-up) shared by the planned call's rounds. The
+rounds are measured without that fixed cost, since how many rounds a call runs is the scheduler's
+choice, not the width's: measured with it, a width that happened to run in short calls would look
+dear, and a width the server never runs would keep a warm-up cost measured in other calls.
 A plan holds for one device call of several rounds; without replay it covers no more rounds than
 have been observed since a request last joined, and one round where the width wins only on the
 optimism about rarely seen positions (a probe, which a single round answers).
@@ -86,14 +90,22 @@ class RoundCosts:
     if self.fixed_costs and len(self.costs) != len(self.widths):
       raise ValueError(f"adaptive costs has {len(self.costs)} entries for widths {self.widths}")
     self._bucket_costs: dict[int, np.ndarray] = {}                          # [W] per bucket smaller than every slot
+    self.call_ms = 0.0                                                      # a call's fixed cost besides its rounds
     self.rounds_by_width = {w: 0 for w in self.widths}
 
-  def set_costs(self, costs_ms) -> None:
-    """The warm-up's timed cost of a round of every slot at every width (kept when the config
-    fixes costs); smaller buckets start from it."""
+  def set_costs(self, costs_ms, call_ms: float = 0.0) -> None:
+    """The warm-up's timed cost of a round of every slot at every width, without the fixed cost of
+    the call (`call_ms`); both kept as the config gives them when it fixes costs. Smaller buckets
+    start from it."""
     if not self.fixed_costs:
       self.costs = np.maximum(np.asarray(costs_ms, np.float64), 1e-3)
+      self.call_ms = max(float(call_ms), 0.0)
       self._bucket_costs = {}
+
+  def plan_costs(self, bucket: int | None, rounds: int) -> np.ndarray:
+    """[W] ms per round of a call of `rounds` rounds at each width: the round's cost and the call's
+    fixed cost shared by its rounds (what the rule divides tokens by)."""
+    return self._costs_at(bucket) + self.call_ms / max(rounds, 1)
 
   def _costs_at(self, bucket: int | None) -> np.ndarray:
     """[W] the running cost of a round at each width over `bucket` gathered slots (None: every slot)."""
@@ -102,7 +114,7 @@ class RoundCosts:
     return self._bucket_costs.setdefault(bucket, self.costs.copy())
 
   def observe_cost(self, width: int, ms: float, bucket: int | None) -> None:
-    """A round ran at `width` over `bucket` slots in `ms` milliseconds."""
+    """A round ran at `width` over `bucket` slots in `ms` milliseconds (its call's fixed cost apart)."""
     self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
     if not self.fixed_costs and width in self.widths:
       i, costs = self.widths.index(width), self._costs_at(bucket)
@@ -111,6 +123,7 @@ class RoundCosts:
 
   def cost_record(self) -> dict:
     out = {"widths": list(self.widths), "costs_ms": [round(float(c), 4) for c in self.costs],
+           "call_ms": round(self.call_ms, 4),
            "rounds_by_width": {str(w): n for w, n in self.rounds_by_width.items()}}
     if self._bucket_costs:
       out["costs_ms_by_bucket"] = {str(n): [round(float(c), 4) for c in costs] for n, costs in self._bucket_costs.items()}
@@ -153,7 +166,6 @@ class SlotWidthController(RoundCosts):
     observation corrects; replay refreshes per segment, whatever the calls), nor past the start or
     end of an exploring stretch. n_max [B] each slot's request limit (0: speculation off), n_min
     [B], live [B] bool."""
-    costs = self._costs_at(bucket)
     if not self.replayed:
       rounds = max(1, min(rounds, self._since_join))
     n_max = np.where(live, n_max, 0)
@@ -162,6 +174,7 @@ class SlotWidthController(RoundCosts):
     exploring = not self.replayed and at < self.ac.explore_rounds
     if not self.replayed:        # a call ends where an exploring stretch starts or ends
       rounds = min(rounds, self.ac.explore_rounds - at if exploring else period - at)
+    costs = self.plan_costs(bucket, rounds)
     if self.replayed:
       width = self.widths[self._best_replayed(n_max, live, costs)]
       asked = np.minimum(n_max, width)

@@ -59,7 +59,7 @@ class SlotBudgetController(RoundCosts):
     """The plan of the next call of up to `rounds` rounds over `bucket` gathered slots (None: every
     slot). n_max [B] each slot's request limit (a tree's depth cap; 0: speculation off), n_min [B],
     live [B] bool."""
-    costs = self._costs_at(bucket)
+    costs = self.plan_costs(bucket, rounds)
     speculating = live & (n_max > 0) & (n_max >= n_min)
     if self.round < self.ac.explore_rounds:
       wi, rounds = len(self.widths) - 1, min(rounds, self.ac.explore_rounds - self.round)

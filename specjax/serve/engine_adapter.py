@@ -136,6 +136,7 @@ class SlotEngine:
     self.host = [None] * slots          # per-slot host drafter instances (batch 1 each)
     self.dparams = drafter.params() if drafter is not None and drafter.on_device else ()
     self.control = None
+    self.call_fixed_ms = 0.0               # a device call's time besides its rounds (`round_costs`)
     self.warm_phases: dict | None = None   # `warm`'s time by phase, once it has run
     if adaptive is not None and drafter is not None:
       if drafter.proposes_tree and not drafter.on_device:
@@ -299,7 +300,7 @@ class SlotEngine:
     jax.block_until_ready(self.state)
     t2 = time.perf_counter()
     if self.control is not None:
-      self.control.set_costs(self.round_costs())
+      self.control.set_costs(self.round_costs(), self.call_fixed_ms)
       self.control.compile(self.state.history, self.state.hist_len)
     t3 = time.perf_counter()
     for width, rows in rounds:
@@ -395,12 +396,12 @@ class SlotEngine:
       out = self._run(None if self.drafter is None else self.max_draft, self.dp["n_max"], rows, rounds)
     else:
       if self.control.costs is None:           # not warmed: time every width now (compiles them)
-        self.control.set_costs(self.round_costs())
+        self.control.set_costs(self.round_costs(), self.call_fixed_ms)
       bucket = None if rows is None else len(rows)
       plan = self.control.plan(self.dp["n_max"], self.dp["n_min"], self.live.copy(), rounds=rounds, bucket=bucket)
       t0 = time.perf_counter()
       out = self._run(plan.width, plan.lengths, rows, plan.rounds)
-      ms = (time.perf_counter() - t0) * 1e3 / max(out.rounds, 1)
+      ms = self._round_ms((time.perf_counter() - t0) * 1e3, out.rounds)
       for r in range(out.rounds):
         self.control.observe(plan, out.width, out.drafted[r], out.accepted[r], out.emitted[r] > 0, ms,
                              self.state.history, self.state.hist_len, bucket=bucket, ranks=out.ranks[r])
@@ -470,37 +471,53 @@ class SlotEngine:
           d.accept(out.accepted[0, i:i + 1], verified=out.drafted[0, i:i + 1] > 0)
     return out
 
+  def _round_ms(self, call_ms: float, rounds: int) -> float:
+    """A call's ms per round without the call's fixed cost (at least a tenth of its time per round)."""
+    return max(call_ms - self.call_fixed_ms, 0.1 * call_ms) / max(rounds, 1)
+
   def round_costs(self, repeats: int = 3) -> np.ndarray:
-    """[W] median ms per round at each of the adaptive controller's widths: calls of `rounds_max`
-    rounds (a host drafter's calls run one) over every slot of a copy of the slot batch, each call's
-    time over the rounds it ran, after one untimed call that compiles it. Every slot drafts its
-    n_max, up to the width (host drafters: empty drafts); `_timing_copy` marks the copy's slots not
-    done and the timed calls lift every slot's token budget, else a free slot would end the call
-    after one round. These are the controller's first costs, replaced by what the server's calls
-    then take, which are measured the same way (a call's time over its rounds): a width the server
-    never runs keeps its warm-up cost, so it has to be the cost of a call as the server makes it,
-    its fixed cost shared by as many rounds; timed one round a call, an idle width carried the whole
-    fixed cost and never looked cheap enough to run."""
+    """[W] median ms per round at each of the adaptive controller's widths, the call's fixed cost
+    apart, which it sets as `call_fixed_ms`. Calls of `rounds_max` rounds (a host drafter's calls
+    run one) over every slot of a copy of the slot batch, after one untimed call that compiles each;
+    then calls of one round at the first width: a call of R rounds takes F + R c, one of a round
+    F + c, so F = (R T1 - TR) / (R - 1). Every slot drafts its n_max, up to the width (host drafters:
+    empty drafts); `_timing_copy` marks the copy's slots not done and the timed calls lift every
+    slot's token budget, else a free slot would end the call after one round.
+
+    The controller compares widths at their cost per round plus F over the planned call's rounds,
+    and the server's calls are measured the same way (`_round_ms`): how many rounds a call runs is
+    the scheduler's choice (joins, waiting requests, the call budget), not the width's, so a width
+    that happened to run in short calls must not look dearer for it, nor one the server has not run
+    (priced by this warm-up alone) cheaper or dearer than the widths it runs."""
     saved, dev = (self.state, self.dstate), self._device_params()
     sampling, dp, max_new = dev
     # no slot stops on its budget; put as `_device_params` puts its arrays (the round programs' input layout)
     self._dev = sampling, dp, jax.device_put(np.full(np.shape(self.max_new), self.capacity, np.int32))
-    rounds = self.rounds_max
-    ms = []
+
+    def timed(width: int, rounds: int, n: int) -> tuple[float, int]:
+      """Median ms of `n` calls of `rounds` rounds at `width` (each on a fresh copy: a timed call
+      may end its slots), and the rounds the last one ran."""
+      times, ran = [], 0
+      for _ in range(n):
+        self.state, self.dstate = _timing_copy(*saved)
+        jax.block_until_ready((self.state, self.dstate))
+        t0 = time.perf_counter()
+        ran = self._timed_round(width, rounds)
+        times.append((time.perf_counter() - t0) * 1e3)
+      return float(np.median(times)), ran
+
+    calls = []
     try:
       for w in self.control.widths:
-        times = []
-        for i in range(repeats + 1):       # a fresh copy each time: a timed call may end its slots
-          self.state, self.dstate = _timing_copy(*saved)
-          jax.block_until_ready((self.state, self.dstate))
-          t0 = time.perf_counter()
-          ran = self._timed_round(w, rounds)
-          times.append((time.perf_counter() - t0) * 1e3 / max(ran, 1))
-        ms.append(float(np.median(times[1:])))
+        timed(w, self.rounds_max, 1)                        # compiles it
+        calls.append(timed(w, self.rounds_max, repeats))
+      many, r = calls[0]
+      one, _ = timed(self.control.widths[0], 1, repeats) if r > 1 else (many, 1)
+      self.call_fixed_ms = max(0.0, (r * one - many) / (r - 1)) if r > 1 else 0.0
     finally:
       self.state, self.dstate = saved
       self._dev = dev
-    return np.asarray(ms, np.float32)
+    return np.asarray([self._round_ms(ms, ran) for ms, ran in calls], np.float32)
 
   def _timed_round(self, width: int, rounds: int = 1) -> int:
     """A call of up to `rounds` rounds at `width` without host drafting (host drafters' programs are
