@@ -10,7 +10,8 @@ its start and duration) and reports per decode step:
   host, for launches); busy near wall means the kernels themselves are the cost;
 - kernels per step, and the gaps between consecutive kernels (median, p90, their sum per step);
 - the kernels grouped by name (count per step, mean us, share of busy time) and by kind (GEMM,
-  fusion, Triton / Pallas, copy / memset, other), top --top names.
+  fusion, Triton / Pallas, copy / memset, other), top --top names, each with its output shape and
+  the JAX operation it came from (read off the decode loop's compiled HLO, `hlo_index`).
 
 Steps: the generation runs --new-tokens tokens; per-step figures divide by that count (the prefill
 is one kernel set among them, its share shown by the generation at --new-tokens vs 2x when
@@ -26,6 +27,7 @@ import argparse
 import glob
 import gzip
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -52,6 +54,46 @@ def kernel_kind(name: str) -> str:
   return "other"
 
 
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+(fusion|custom-call|copy|[a-z\-]+)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def hlo_index(hlo_text: str) -> dict[str, dict]:
+  """What each kernel-launching instruction of a compiled module is, by the name a profiler trace
+  gives its kernel (the instruction's name with '.' as '_'): {name: {"shape", "op", "op_name"}}, the
+  op_name being the JAX operation it was lowered from (a fusion's own metadata: its root's)."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _HLO_INSTR.match(line)
+    if not m or m.group(3) in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+      continue
+    op_name = _OP_NAME.search(line)
+    out[m.group(1).replace(".", "_")] = {"shape": m.group(2), "op": m.group(3),
+                                         "op_name": op_name.group(1) if op_name else ""}
+  return out
+
+
+def decode_loop_hlo(params, cfg, prompts, *, max_new_tokens: int, capacity: int) -> str:
+  """The compiled HLO text of the decode loop `generate_plain` runs for these prompts (the same
+  program, compiled again from the same inputs)."""
+  import jax.numpy as jnp
+  from specjax.engine.decode import _decode_loop
+  from specjax.engine.generation import pad_prompts, plan_capacity
+  from specjax.engine.loops import prefill_request
+  from specjax.engine.round import RoundInputs, RoundSpec
+  from specjax.engine.sampling import SamplingParams
+  tokens, lens = pad_prompts(prompts)
+  b = len(prompts)
+  sampling = SamplingParams.make(b)
+  cap = plan_capacity(tokens.shape[1], max_new_tokens, 0, capacity)
+  max_new = jnp.full((b,), max_new_tokens, jnp.int32)
+  stop = jnp.asarray([-1], jnp.int32)
+  inp = RoundInputs(params=params, dparams=(), sampling=sampling, dp={}, stop_ids=stop, max_new=max_new)
+  state = prefill_request(RoundSpec(cfg=cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
+                          history_len=cap).state
+  return _decode_loop.lower(params, state, sampling, stop, max_new, cfg=cfg).compile().as_text()
+
+
 def device_events(trace: dict | list) -> list[dict]:
   """The trace's complete events ('X') of device processes (process name with '/device:'), each
   {name, ts, dur, stream} in microseconds; host events are left out."""
@@ -69,8 +111,9 @@ def device_events(trace: dict | list) -> list[dict]:
   return out
 
 
-def summarize(kernels: list[dict], steps: int, wall_s: float, top: int) -> dict:
-  """Per-step figures of one traced generation: busy vs wall, gaps, kernels by name and by kind."""
+def summarize(kernels: list[dict], steps: int, wall_s: float, top: int, hlo: dict | None = None) -> dict:
+  """Per-step figures of one traced generation: busy vs wall, gaps, kernels by name and by kind;
+  `hlo` (`hlo_index` of the program) adds each top kernel's output shape and JAX operation."""
   kernels = sorted(kernels, key=lambda k: k["ts"])
   busy, gaps = 0.0, []
   end = None
@@ -110,7 +153,8 @@ def summarize(kernels: list[dict], steps: int, wall_s: float, top: int) -> dict:
                          "share": round(t / total, 3) if total else 0.0}
                   for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1])},
       "top_kernels": [{"name": n[:160], "kind": kernel_kind(n), "per_step": round(len(d) / steps, 2),
-                       "mean_us": round(statistics.mean(d), 2), "share": round(sum(d) / total, 3) if total else 0.0}
+                       "mean_us": round(statistics.mean(d), 2), "share": round(sum(d) / total, 3) if total else 0.0,
+                       **({"hlo": hlo[n]} if hlo and n in hlo else {})}
                       for n, d in names],
   }
 
@@ -199,12 +243,14 @@ def main(argv=None) -> int:
     run = lambda: generate_plain(target.params, cfg, prompts, max_new_tokens=args.new_tokens, capacity=args.capacity)
     run()                                                          # compilation
     untraced = min(run().seconds for _ in range(2))
+    hlo = hlo_index(decode_loop_hlo(target.params, cfg, prompts, max_new_tokens=args.new_tokens,
+                                    capacity=args.capacity))
     with tempfile.TemporaryDirectory() as tmp:
       seconds, kernels, trace_file = traced_generation(run, Path(tmp))
       if args.keep_trace:
         shutil.copy(trace_file, out_path.with_name(f"{out_path.stem}_b{b}.trace.json.gz"))
     row = {"batch": b, "untraced_wall_ms_per_step": round(1e3 * untraced / args.new_tokens, 4),
-           "device_events": len(kernels), **summarize(kernels, args.new_tokens, seconds, args.top)}
+           "device_events": len(kernels), **summarize(kernels, args.new_tokens, seconds, args.top, hlo)}
     out["rows"].append(row)
     print(f"[trace] batch {b}: wall {row['wall_ms_per_step']:.3f} ms/step (untraced {row['untraced_wall_ms_per_step']:.3f}),"
           f" busy {row['busy_ms_per_step']:.3f}, kernels {row['kernels_per_step']}/step,"
@@ -212,7 +258,8 @@ def main(argv=None) -> int:
     for kind, v in row["by_kind"].items():
       print(f"    {kind:14s} {v['per_step']:7.1f}/step {v['ms_per_step']:.4f} ms  {100 * v['share']:.1f}%")
     for k in row["top_kernels"][:12]:
-      print(f"    {k['per_step']:7.2f}/step {k['mean_us']:8.2f} us {100 * k['share']:5.1f}%  {k['name'][:90]}")
+      what = f"  {k['hlo']['shape']} {k['hlo']['op_name'][-60:]}" if "hlo" in k else ""
+      print(f"    {k['per_step']:7.2f}/step {k['mean_us']:8.2f} us {100 * k['share']:5.1f}%  {k['name'][:60]}{what}")
     out_path.write_text(json.dumps(out, indent=1) + "\n")
   if any(r["device_events"] for r in out["rows"]):
     plot(out["rows"], out_path.with_suffix(".png"))

@@ -156,3 +156,20 @@ def test_trace_tiny_dry_run_writes_rows(tmp_path):
   assert main(["--tiny", "--batch", "1", "--new-tokens", "4", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())["rows"]
   assert [r["batch"] for r in rows] == [1] and rows[0]["untraced_wall_ms_per_step"] > 0
+
+
+def test_hlo_index_names_kernels_as_the_trace_does():
+  """Kernel-launching instructions are indexed under the trace's spelling ('.' as '_') with their
+  output shape and JAX op_name; parameters, tuples and bitcasts are not."""
+  hlo_index = _profile_trace().hlo_index
+  text = """ENTRY %main.1 (p0: bf16[576,960]) -> f32[960] {
+  %p0 = bf16[576,960]{1,0} parameter(0)
+  %loop_multiply_fusion.1 = f32[576,960]{1,0} fusion(%p0), kind=kLoop, calls=%fused_multiply.1, metadata={op_name="jit(f)/...i,io->...o/dot_general" stack_frame_id=3}
+  ROOT %input_reduce_fusion.20 = f32[960]{0} fusion(%loop_multiply_fusion.1), kind=kInput, calls=%fused_reduce.21
+  %bitcast.3 = f32[960]{0} bitcast(%input_reduce_fusion.20)
+}"""
+  idx = hlo_index(text)
+  assert set(idx) == {"loop_multiply_fusion_1", "input_reduce_fusion_20"}
+  assert idx["loop_multiply_fusion_1"] == {"shape": "f32[576,960]{1,0}", "op": "fusion",
+                                           "op_name": "jit(f)/...i,io->...o/dot_general"}
+  assert idx["input_reduce_fusion_20"]["op_name"] == ""
