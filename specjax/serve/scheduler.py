@@ -273,9 +273,6 @@ class Scheduler:
     self._publish()
     if self.metrics is not None:
       self.metrics.set_load(len(self._waiting), self.running())
-      control = getattr(self.engine, "control", None)
-      if out is not None and control is not None and control.costs is not None:
-        self.metrics.adaptive(control.record())
       prefill = t0 - t_admit
       self.metrics.thread_time(seconds, prefill, time.perf_counter() - t_start - seconds - prefill)
 
