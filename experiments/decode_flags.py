@@ -3,8 +3,8 @@
 A batch-1 decode step of SmolLM2-135M is bound by kernel launches, not by its 270 MB of weights
 (~1 ms against a ~0.08 ms bandwidth floor on an H100; experiments/README, "How fast is plain
 decoding?"), so what counts is how many kernels XLA makes of a layer. For each variant (a named set
-of XLA flags, --variants; VARIANTS lists them) a child process started with those flags in
-XLA_FLAGS (they are read once, when the backend starts):
+of XLA flags, --variants; VARIANTS lists them; a few also patch the model's code, PATCHES) a child
+process started with those flags in XLA_FLAGS (they are read once, when the backend starts):
 
 - compiles one plain decode step (`parallel.hlo.decode_step_hlo` on a one-device mesh: the engine's
   `decode_step`, as the decode loop runs it) of the target cut to 1 and to 2 layers and counts the
@@ -50,9 +50,41 @@ VARIANTS = {
     "dynamic_slice_fusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
     # the step's kernels captured in CUDA graphs however few there are in a run
     "graph_min_1": "--xla_gpu_graph_min_graph_size=1",
+    # XLA's defaults, with one-row products run as two-row GEMMs (`two_row_products`)
+    "two_row_products": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
 }
+
+def two_row_products() -> None:
+  """Patch `Linear` (in this child process only) so that a one-row product (a batch-1 decode step)
+  runs as a GEMM of two rows, the row and a zero row, and row 0 is kept. XLA's GPU compiler
+  rewrites a one-row product as a broadcast multiply and a reduction, and for the QKV, output and
+  down projections of SmolLM2 it writes that multiply's whole f32 [in, out] product before reducing
+  it; two rows make it a matrix product, which goes to a GEMM kernel. Optimization barriers keep the
+  simplifier from folding the zero row away or moving the row-0 slice into the product (the GPU
+  compiler removes them only after scheduling). Values unchanged (the zero row is dropped)."""
+  import math
+
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.models import layers
+  one_row = layers.Linear.__call__
+
+  def call(self, x):
+    if self.invariant or math.prod(x.shape[:-1]) != 1:
+      return one_row(self, x)
+    w = self.kernel[...]
+    rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)]).astype(w.dtype)   # [2, in]
+    y = jnp.einsum("mi,io->mo", jax.lax.optimization_barrier(rows), w, preferred_element_type=jnp.float32)
+    y = jax.lax.optimization_barrier(y)[0].reshape(*x.shape[:-1], -1)                                 # [..., out]
+    return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+  layers.Linear.__call__ = call
+
+
+# variants that change the model's code as well as the flags: name -> patch, applied in the child
+PATCHES = {"two_row_products": two_row_products}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
@@ -104,7 +136,10 @@ def kernel_count(hlo_text: str) -> int:
 
 
 def child(args) -> dict:
-  """One variant, in this process (XLA_FLAGS already set): kernels per step and layer, ms per step."""
+  """One variant, in this process (XLA_FLAGS already set, a model patch applied here): kernels per
+  step and layer, ms per step."""
+  if args.one in PATCHES:
+    PATCHES[args.one]()
   import jax
   import jax.numpy as jnp
   import numpy as np

@@ -173,3 +173,41 @@ def test_hlo_index_names_kernels_as_the_trace_does():
   assert idx["loop_multiply_fusion_1"] == {"shape": "f32[576,960]{1,0}", "op": "fusion",
                                            "op_name": "jit(f)/...i,io->...o/dot_general"}
   assert idx["input_reduce_fusion_20"]["op_name"] == ""
+
+
+def test_two_row_products_change_no_value(monkeypatch):
+  """The `two_row_products` variant's patch (a one-row product run as a two-row GEMM, the zero row
+  dropped) is what a one-token forward runs (two barriers per projection in its lowering) and gives
+  the same greedy tokens and the same logits as the model's own products."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from conftest import TINY_LLAMA, random_params
+  from specjax.engine.decode import generate_plain
+  from specjax.models import layers
+  from specjax.models.decoder import forward
+  from specjax.models.kv_cache import KVCache
+  sys.path.insert(0, str(ROOT / "experiments"))
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params = random_params(TINY_LLAMA, seed=0)
+
+  def run():
+    jax.clear_caches()
+    tokens = generate_plain(params, TINY_LLAMA, [[3, 7, 1, 12, 5]], max_new_tokens=10, capacity=128).tokens
+    cache = KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)
+    _, _, cache = forward(params, TINY_LLAMA, jnp.asarray([[3, 7, 1, 12, 5]], jnp.int32), cache)
+    return tokens, np.asarray(forward(params, TINY_LLAMA, jnp.asarray([[4]], jnp.int32), cache)[0])
+
+  want_tokens, want_logits = run()
+  monkeypatch.setattr(layers.Linear, "__call__", layers.Linear.__call__)     # restored after the test
+  module.PATCHES["two_row_products"]()
+  got_tokens, got_logits = run()
+  cache = KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)
+  lowered = jax.jit(lambda p, t, c: forward(p, TINY_LLAMA, t, c)[0]).lower(params, jnp.ones((1, 1), jnp.int32), cache)
+  jax.clear_caches()
+  assert lowered.as_text().count("optimization_barrier") == 2 * 4 * TINY_LLAMA.n_layers   # the patch ran: 4 projections
+  assert got_tokens == want_tokens
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=1e-6)

@@ -12,9 +12,6 @@ embedding, activations, residual adds) are row-wise in XLA either way.
 
 from __future__ import annotations
 
-import math
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,26 +20,6 @@ from flax import nnx
 from specjax.kernels import invariant_attention, invariant_matmul, invariant_rmsnorm, verify_attention
 
 NEG_INF = verify_attention.NEG_INF
-
-# SPECJAX_GEMV_BARRIER=0 leaves vector-matrix inputs to XLA's fusion (`matmul_input`), for comparison.
-GEMV_BARRIER = os.environ.get("SPECJAX_GEMV_BARRIER", "1") != "0"
-
-
-def matmul_input(x: jax.Array, dtype) -> jax.Array:
-  """x [..., in] rounded to the weight dtype, to multiply a weight matrix [in, out].
-
-  A product of one row (a one-token decode at batch 1) is a vector-matrix product, which XLA's GPU
-  compiler rewrites as a broadcast multiply and a reduction over `in`. When the input's producer (an
-  RMSNorm, attention's combine of its splits, the gated activation) fuses into that multiply, the
-  compiler writes the whole [in, out] product in float32 and reads it back in a second kernel: two
-  kernels and several times the weight's bytes per projection. An optimization barrier makes the
-  input its own (tiny) array, so the multiply fuses into the reduction, which reads the weights once.
-  Values are unchanged; wider products (verification, batches) go to GEMM kernels and keep their
-  fusions."""
-  xw = x.astype(dtype)
-  if GEMV_BARRIER and math.prod(x.shape[:-1]) == 1:
-    xw = jax.lax.optimization_barrier(xw)
-  return xw
 
 
 class Linear(nnx.Module):
@@ -72,7 +49,7 @@ class Linear(nnx.Module):
     if self.invariant:
       y = invariant_matmul.pallas_matmul(x, w)                                    # [..., out] float32
     else:
-      y = jnp.einsum("...i,io->...o", matmul_input(x, w.dtype), w, preferred_element_type=jnp.float32)
+      y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     if self.bias is not None:
       y = y + self.bias[...].astype(jnp.float32)
     return y
