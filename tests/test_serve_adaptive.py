@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 
 from conftest import TINY_LLAMA, random_params
@@ -136,6 +137,32 @@ def test_round_costs_leave_the_call_fixed_cost_out():
   assert costs.plan_costs(None, 4).tolist() == [1.5, 2.0]
   costs.observe_cost(4, engine._round_ms(2.0 + 1.5, 1), None)   # a width-4 round in a one-round call
   assert costs.costs.tolist() == pytest.approx([1.0, 1.5])
+
+
+def test_fresh_slots_shorten_calls_only_while_many():
+  """Without replay, a plan covers no more rounds than the freshest slots have been observed, while
+  a quarter or more of the live slots are fresh; one new request among eight long-running ones does
+  not shorten the call (under load a request joins at almost every call)."""
+  import types
+  from specjax.engine.adaptive import AdaptiveConfig
+  from specjax.serve.adaptive_slots import SlotWidthController
+  drafter = types.SimpleNamespace(max_draft=2, on_device=True, replayable=False)
+  control = SlotWidthController(AdaptiveConfig(), 8, drafter, rounds_per_call=8)
+  control.set_costs([1.0, 1.1, 1.2])
+  live, n_max, n_min = np.ones(8, bool), np.full(8, 2), np.zeros(8, np.int64)
+  control._since_join[:] = 20
+  control.round = 10                                   # past the first exploring stretch
+  assert control.plan(n_max, n_min, live, rounds=8).rounds == 8
+  control.join(3, 5)                                    # one fresh slot of eight: the call keeps its rounds
+  control.round = 10
+  assert control.plan(n_max, n_min, live, rounds=8).rounds == 8
+  for slot in (4, 5):                                   # three of eight: the freshest one's rounds
+    control.join(slot, 5)
+  control._since_join[[3, 4, 5]] = [6, 2, 3]
+  control.round = 10
+  assert control.plan(n_max, n_min, live, rounds=8).rounds == 2
+  control.round = 10
+  assert control.plan(n_max, n_min, live & (np.arange(8) != 4), rounds=8).rounds == 3    # a finished slot is not fresh
 
 
 def _metric(url: str, name: str, **labels) -> float:

@@ -32,9 +32,10 @@ plus the device call's fixed cost (timed in the warm-up) shared by the planned c
 rounds are measured without that fixed cost, since how many rounds a call runs is the scheduler's
 choice, not the width's: measured with it, a width that happened to run in short calls would look
 dear, and a width the server never runs would keep a warm-up cost measured in other calls.
-A plan holds for one device call of several rounds; without replay it covers no more rounds than
-have been observed since a request last joined, and one round where the width wins only on the
-optimism about rarely seen positions (a probe, which a single round answers).
+A plan holds for one device call of several rounds; without replay, while a quarter or more of
+the live slots took their request fewer rounds ago than the call would run, it covers no more
+rounds than the freshest of them has been observed (`_rounds_observed`), and one round where the
+width wins only on the optimism about rarely seen positions (a probe, which a single round answers).
 
 Device drafters draft up to the round's width at no extra cost, so every speculating slot drafts
 min(n_max, width), and the round runs at the narrowest width that holds what the rule asked for;
@@ -55,6 +56,7 @@ from specjax.engine.adaptive_replay import ReplayState, replay_segment
 
 
 STALL = 2.0      # a round's observed time counts at most this multiple of its width's running cost
+FRESH_SHARE = 0.25   # without replay, calls are kept short only while this share of live slots is new
 
 
 @dataclasses.dataclass
@@ -145,7 +147,7 @@ class SlotWidthController(RoundCosts):
     self.rates = adapt.PositionRates(self.k, ac)
     self.round = 0
     self._since_replay = 0                                                  # rounds observed since the replay last extended
-    self._since_join = 0                                                    # rounds observed since a request last joined
+    self._since_join = np.zeros(slots, np.int64)                           # [B] rounds observed since each slot's request joined
     self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
     self._replay_state = None
     self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
@@ -155,19 +157,20 @@ class SlotWidthController(RoundCosts):
     prior = adapt.AdaptiveState.init(1, self.ac, np)
     self.acceptance.accepted[slot], self.acceptance.trials[slot] = prior.accepted[0], prior.trials[0]
     self._joined[slot], self._join_len[slot] = True, hist_len
-    self._since_join = 0
+    self._since_join[slot] = 0
     self.tau[:, slot] = np.mean(self.tau, axis=1) if self.replayed else 1.0
 
   def plan(self, n_max: np.ndarray, n_min: np.ndarray, live: np.ndarray, rounds: int = 1,
            bucket: int | None = None) -> RoundPlan:
     """The plan of the next call of up to `rounds` rounds over `bucket` gathered slots (None: every
-    slot), whose costs the rule reads. Without replay a plan covers no more rounds than have been
-    observed since a request last joined (a joining slot starts from the prior, which each round's
-    observation corrects; replay refreshes per segment, whatever the calls), nor past the start or
+    slot), whose costs the rule reads. Without replay a plan covers no more rounds than the freshest
+    slots have been observed while many slots are fresh (`_rounds_observed`: a joining slot starts
+    from the prior, which each round's observation corrects; replay refreshes per segment, whatever
+    the calls), nor past the start or
     end of an exploring stretch. n_max [B] each slot's request limit (0: speculation off), n_min
     [B], live [B] bool."""
     if not self.replayed:
-      rounds = max(1, min(rounds, self._since_join))
+      rounds = self._rounds_observed(rounds, live)
     n_max = np.where(live, n_max, 0)
     period = self.ac.explore_every * self.ac.segment_rounds
     at = self.round % period
@@ -202,6 +205,18 @@ class SlotWidthController(RoundCosts):
     gain = np.sum(np.where(live[None, :], tau, 0.0), axis=1)                        # [W]
     return int(np.argmax(gain / costs))
 
+  def _rounds_observed(self, rounds: int, live: np.ndarray) -> int:
+    """The rounds a plan may cover without replay: while at least `FRESH_SHARE` of the live slots
+    took their request fewer than `rounds` rounds ago (their estimates still the prior), no more
+    rounds than the freshest of them has been observed, so each round's observation corrects the
+    prior before a long call runs on it; a few fresh slots among many do not move the batch's
+    width, and limiting every call for them (a request joins at almost every call under load)
+    would make every call short and pay its fixed cost again and again."""
+    fresh = live & (self._since_join < rounds)
+    if fresh.sum() < FRESH_SHARE * max(int(live.sum()), 1):
+      return rounds
+    return max(1, min(rounds, int(self._since_join[fresh].min())))
+
   def _holding(self, n: int) -> int:
     """The narrowest width that holds a draft of n tokens."""
     return next(w for w in self.widths if w >= min(n, self.k))
@@ -217,7 +232,7 @@ class SlotWidthController(RoundCosts):
       self.rates.observe_round(plan.lengths, accepted, live)
     self.observe_cost(width, ms, bucket)
     self._since_replay += 1
-    self._since_join += 1
+    self._since_join += live
     if self.replayed and self._since_replay >= self.ac.segment_rounds:
       self._extend_replay(history, hist_len)
 
