@@ -35,7 +35,7 @@ timed_run bench-serve "${TIMEOUT:-540}" python3 -m specjax.cli bench-serve --con
 python3 -c "import json, sys; r = json.load(open(sys.argv[1]));
 print('rev', r['git_rev'], 'on', r['device']['device_kind']);
 [print(f\"{s['method']:30s} c={s.get('concurrency')!s:>3s} {s['throughput_tok_s']:9.1f} tok/s  tau {s['tau'] or 0:.2f}\",
-       f\"ttft p50 {1e3 * (s['ttft_s']['p50'] or 0):6.1f} ms  calls {s.get('device_calls')}  compiles {s.get('compiles')}\",
+       f\"ttft p50 {1e3 * (s['ttft_s']['p50'] or 0):6.1f} ms  calls {s.get('device_calls')}  prefill calls {s.get('prefill_calls')} ({s.get('prefill_rows')} rows)  compiles {s.get('compiles')}\",
        f\"({s.get('compile_s')} s)  rounds by batch {s.get('rounds_by_batch')}  thread s {s.get('model_thread_s')}\")
  for s in r['rows']]" \
   "$OUT/$NAME.json" || true
