@@ -73,27 +73,6 @@ def hlo_index(hlo_text: str) -> dict[str, dict]:
   return out
 
 
-def decode_loop_hlo(params, cfg, prompts, *, max_new_tokens: int, capacity: int) -> str:
-  """The compiled HLO text of the decode loop `generate_plain` runs for these prompts (the same
-  program, compiled again from the same inputs)."""
-  import jax.numpy as jnp
-  from specjax.engine.decode import _decode_loop
-  from specjax.engine.generation import pad_prompts, plan_capacity
-  from specjax.engine.loops import prefill_request
-  from specjax.engine.round import RoundInputs, RoundSpec
-  from specjax.engine.sampling import SamplingParams
-  tokens, lens = pad_prompts(prompts)
-  b = len(prompts)
-  sampling = SamplingParams.make(b)
-  cap = plan_capacity(tokens.shape[1], max_new_tokens, 0, capacity)
-  max_new = jnp.full((b,), max_new_tokens, jnp.int32)
-  stop = jnp.asarray([-1], jnp.int32)
-  inp = RoundInputs(params=params, dparams=(), sampling=sampling, dp={}, stop_ids=stop, max_new=max_new)
-  state = prefill_request(RoundSpec(cfg=cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
-                          history_len=cap).state
-  return _decode_loop.lower(params, state, sampling, stop, max_new, cfg=cfg).compile().as_text()
-
-
 def device_events(trace: dict | list) -> list[dict]:
   """The trace's complete events ('X') of device processes (process name with '/device:'), each
   {name, ts, dur, stream} in microseconds; host events are left out."""
@@ -221,7 +200,7 @@ def main(argv=None) -> int:
   import numpy as np
 
   from specjax.bench.env import device_info, git_revision
-  from specjax.engine.decode import generate_plain
+  from specjax.engine.decode import decode_loop_hlo, generate_plain
 
   if args.tiny:
     from sharding_bench import TINY_TARGET, random_target

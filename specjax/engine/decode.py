@@ -60,10 +60,9 @@ class DecodeResult:
     return self.n_generated / max(self.seconds, 1e-9)
 
 
-def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
-                   sampling: SamplingParams | None = None, stop_ids=(), capacity: int | None = None,
-                   max_new=None, unroll: int = 1) -> DecodeResult:
-  """Autoregressive generation for a ragged batch of token prompts."""
+def _plain_inputs(params, cfg, prompts, max_new_tokens, sampling, stop_ids, capacity, max_new):
+  """A plain generation's inputs, built on the host: -> (RoundInputs of its decode, a function that
+  runs its prefill and returns the state the decode loop starts from)."""
   tokens, lens = pad_prompts(prompts)
   b = len(prompts)
   sampling = sampling or SamplingParams.make(b)
@@ -74,11 +73,29 @@ def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int
   from specjax.engine.loops import prefill_request     # the engine's one prefill (imports this module)
   from specjax.engine.round import RoundInputs, RoundSpec
   inp = RoundInputs(params=params, dparams=(), sampling=sampling, dp={}, stop_ids=stop, max_new=max_new_arr)
+  prefill = lambda: prefill_request(RoundSpec(cfg=cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
+                                    history_len=history_len).state
+  return inp, prefill
+
+
+def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
+                   sampling: SamplingParams | None = None, stop_ids=(), capacity: int | None = None,
+                   max_new=None, unroll: int = 1) -> DecodeResult:
+  """Autoregressive generation for a ragged batch of token prompts."""
+  inp, prefill = _plain_inputs(params, cfg, prompts, max_new_tokens, sampling, stop_ids, capacity, max_new)
   t0 = time.perf_counter()
-  state = prefill_request(RoundSpec(cfg=cfg), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
-                          history_len=history_len).state
-  state = _decode_loop(params, state, sampling, stop, max_new_arr, cfg=cfg, unroll=unroll)
+  state = prefill()
+  state = _decode_loop(params, state, inp.sampling, inp.stop_ids, inp.max_new, cfg=cfg, unroll=unroll)
   jax.block_until_ready(state.hist_len)
   dt = time.perf_counter() - t0
   outs = outputs_of(state)
   return DecodeResult(tokens=outs, seconds=dt, n_generated=sum(len(o) for o in outs))
+
+
+def decode_loop_hlo(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
+                    capacity: int | None = None, unroll: int = 1) -> str:
+  """The compiled HLO text of the decode loop `generate_plain` runs for these prompts (the same
+  program, lowered from the same inputs): for profiles that name its kernels."""
+  inp, prefill = _plain_inputs(params, cfg, prompts, max_new_tokens, None, (), capacity, None)
+  return _decode_loop.lower(params, prefill(), inp.sampling, inp.stop_ids, inp.max_new, cfg=cfg,
+                            unroll=unroll).compile().as_text()

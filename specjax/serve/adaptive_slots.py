@@ -166,9 +166,8 @@ class SlotWidthController(RoundCosts):
     slot), whose costs the rule reads. Without replay a plan covers no more rounds than the freshest
     slots have been observed while many slots are fresh (`_rounds_observed`: a joining slot starts
     from the prior, which each round's observation corrects; replay refreshes per segment, whatever
-    the calls), nor past the start or
-    end of an exploring stretch. n_max [B] each slot's request limit (0: speculation off), n_min
-    [B], live [B] bool."""
+    the calls), nor past the start or end of an exploring stretch. n_max [B] each slot's request
+    limit (0: speculation off), n_min [B], live [B] bool."""
     if not self.replayed:
       rounds = self._rounds_observed(rounds, live)
     n_max = np.where(live, n_max, 0)

@@ -99,7 +99,7 @@ class Server:
   async def metrics_text(self, request: Request) -> Response:
     self.metrics.set_load(self.scheduler.queue_length(), self.scheduler.running())
     # the adaptive controller's host-side state, read when asked for (not on every call of rounds)
-    control = getattr(self.scheduler.engine, "control", None)
+    control = self.scheduler.engine.control
     if control is not None and control.costs is not None:
       self.metrics.adaptive(control.record())
     return Response(self.metrics.render(), media_type=self.metrics.content_type)
