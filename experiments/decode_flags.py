@@ -3,7 +3,7 @@
 A batch-1 decode step of SmolLM2-135M is bound by kernel launches, not by its 270 MB of weights
 (~1 ms against a ~0.08 ms bandwidth floor on an H100; experiments/README, "How fast is plain
 decoding?"), so what counts is how many kernels XLA makes of a layer. For each variant (a named set
-of XLA flags, --variants; VARIANTS lists them; a few also patch the model's code, PATCHES) a child
+of XLA flags, --variants; VARIANTS lists them; a few also patch the model's code, PATCHES, or set variables, VARIANT_ENV) a child
 process started with those flags in XLA_FLAGS (they are read once, when the backend starts):
 
 - compiles one plain decode step (`parallel.hlo.decode_step_hlo` on a one-device mesh: the engine's
@@ -54,7 +54,13 @@ VARIANTS = {
     "two_row_products": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
+    # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
+    # their tilings from SPECJAX_FUSED_TILINGS or the packaged table, as the engine reads them)
+    "fused_layers": "",
 }
+
+# variants that set environment variables in the child: name -> {variable: value}
+VARIANT_ENV = {"fused_layers": {"SPECJAX_FUSED_DECODE": "1"}}
 
 def two_row_products() -> None:
   """Patch `Linear` (in this child process only) so that a one-row product (a batch-1 decode step)
@@ -206,7 +212,8 @@ def main(argv=None) -> int:
          "variants": {k: VARIANTS[k] for k in args.variants}, "results": {}}
   passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
   for name in args.variants:
-    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip()}
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip(),
+           **VARIANT_ENV.get(name, {})}
     r = subprocess.run([sys.executable, __file__, *passthrough, "--one", name], env=env, capture_output=True,
                        text=True)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("DECODE_FLAGS ")), None)

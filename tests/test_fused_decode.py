@@ -95,17 +95,27 @@ def test_fused_block_equals_xla_block(name, dtype, t):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
 
-def test_kernels_over_row_blocks_and_ragged_columns():
-  """M = 80 rows (two row blocks, the second ragged), 16-wide tiles over widths 72 / 80, each
-  kernel against its XLA expression in float32."""
+TILINGS = {   # (tiling, rows)
+    "dot-row-blocks": (fd.Tiling(block_m=64, block_n=16, block_k=16), 80),     # two row blocks, the second ragged
+    "dot-one-step": (fd.Tiling(block_m=16, block_n=16, block_k=128), 5),       # the contraction in one load
+    "row-sums-loop": (fd.Tiling(block_m=1, block_n=16, block_k=32, dot=False), 3),
+    "row-sums-one-step": (fd.Tiling(block_m=1, block_n=32, block_k=128, dot=False), 2),
+}
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
+def test_kernels_over_row_blocks_and_ragged_columns(tiling):
+  """Each kernel against its XLA expression in float32 under every kind of tiling: tensor-core
+  dots over row blocks, the contraction in one load (norm and product from the same tile), and
+  the one-row multiply-and-sum product; 16 / 32-wide tiles over ragged widths 72 / 80."""
   rng = np.random.default_rng(0)
-  m, d, f, h, kvh, hd = 80, 72, 80, 4, 2, 32
+  tl, m = TILINGS[tiling]
+  d, f, h, kvh, hd = 72, 80, 4, 2, 32
   n = (h + 2 * kvh) * hd
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   x, nw, wqkv, bias = normal(m, d), 1 + 0.1 * normal(d), normal(d, n) / 8, normal(n)
   pos = jnp.asarray(rng.integers(0, 500, (1, m)), jnp.int32)
   cos, sin = fused_layer.rope_tables(pos, hd, 10000.0)
-  tl = fd.Tiling(block_m=64, block_n=16, block_k=16)
   tol = dict(rtol=2e-5, atol=2e-5)
 
   xn = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * nw

@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +48,23 @@ from specjax.kernels import dispatch, interpreted
 
 MAX_ROWS = 64             # the fused layer serves steps of at most this many rows (decode, verification)
 ACTIVATIONS = ("silu", "gelu_tanh")
+TILINGS_ENV = "SPECJAX_FUSED_TILINGS"   # a JSON tiling table (`tuned_tiling`) used instead of the packaged one
+TILINGS_FILE = Path(__file__).with_name("fused_tilings.json")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """Static sizes of one kernel call (powers of two >= 16)."""
+  """Static sizes of one kernel call (powers of two; >= 16 but block_m 1 for the one-row product)."""
   block_m: int            # rows per program
   block_n: int            # output columns per program (per half-head for `norm_qkv_rope`, per part for gate / up)
   block_k: int            # contraction per loop step
   num_warps: int = 4
   num_stages: int = 3
+  dot: bool = True        # tensor-core dot over a block of rows; False: one row (block_m 1), multiply + column sums
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Tiling":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 def _pow2(n: int) -> int:
@@ -74,6 +84,49 @@ def tiling_for(m: int, n: int, *, widest: int = 128, sm_count: int | None = None
   widths = [bn for bn in (128, 64, 32, 16) if bn <= max(16, widest)]
   block_n = next((bn for bn in widths if _cdiv(n, bn) >= sms), widths[-1])
   return Tiling(block_m=block_m, block_n=block_n, block_k=128 if block_m <= 16 else 64)
+
+
+def _contract(x, w, *, dot: bool, precision):
+  """[BM, BN] float32 partial product of x [BM, BK] (weight dtype) and w [BK, BN]: a tensor-core dot,
+  or for one row (BM 1) the elementwise product summed over the contraction in float32."""
+  if dot:
+    return plgpu.dot(x, w, precision=precision)
+  bk = x.shape[1]
+  return jnp.sum(x.astype(jnp.float32).reshape(bk, 1) * w.astype(jnp.float32), axis=0, keepdims=True)
+
+
+def _check_tiling(tl: Tiling) -> None:
+  if not tl.dot and tl.block_m != 1:
+    raise ValueError(f"{tl}: the multiply-and-sum product (dot=False) takes one row per program (block_m 1)")
+  if tl.dot and tl.block_m < 16:
+    raise ValueError(f"{tl}: a tensor-core dot needs block_m >= 16")
+
+
+def tiling_key(kernel: str, m: int, n: int, k: int) -> str:
+  """A tiling table's key: kernel name, rows rounded up to a power of two, output and contraction widths."""
+  return f"{kernel} m{_pow2(m)} n{n} k{k}"
+
+
+@functools.lru_cache(maxsize=None)
+def _tiling_table(path: str, device_kind: str) -> dict:
+  p = Path(path)
+  tables = json.loads(p.read_text()) if p.is_file() else {}
+  return tables.get(device_kind, {})
+
+
+def tuned_tiling(kernel: str, m: int, n: int, k: int) -> Tiling | None:
+  """The measured best tiling of this kernel and shape on this device, if a table has it.
+
+  Tables map a device kind (`jax.devices()[0].device_kind`) to {`tiling_key`: Tiling fields}:
+  $SPECJAX_FUSED_TILINGS when set, else `fused_tilings.json` beside this file (the tilings
+  `experiments/fused_tiling_sweep.py` measured fastest on the cards we have run). None: no entry,
+  `tiling_for`'s rule applies."""
+  try:
+    kind = jax.devices()[0].device_kind
+  except Exception:   # noqa: BLE001 - no device
+    return None
+  entry = _tiling_table(os.environ.get(TILINGS_ENV) or str(TILINGS_FILE), kind).get(tiling_key(kernel, m, n, k))
+  return Tiling.from_dict(entry) if entry else None
 
 
 def _precision(w_dtype):
@@ -99,17 +152,42 @@ def _inv_rms(x_ref, row0, row_ok, *, d: int, bk: int, eps: float):
   return lax.rsqrt(ss / d + eps)
 
 
-def _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, *, d: int, bk: int, offset: bool, dtype):
+def _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, *, d: int, bk: int, offset: bool, dtype, x=None):
   """Rows [BM, BK] of x at contraction offset k0, normed (x * inv_rms * w, float32) then rounded to
-  the weight dtype as `Linear` rounds its input; zero past d. Also returns the [BK] validity."""
+  the weight dtype as `Linear` rounds its input; zero past d. Also returns the [BK] validity.
+  `x`: the tile already loaded (a one-step contraction loads it once for the norm and the product)."""
   bm = row_ok.shape[0]
   k_ok = (k0 + jnp.arange(bk)) < d                                                # [BK]
-  x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :],
-                 other=0).astype(jnp.float32)                                     # [BM, BK]
+  if x is None:
+    x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :],
+                   other=0).astype(jnp.float32)                                   # [BM, BK]
   w = plgpu.load(nw_ref.at[pl.ds(k0, bk)], mask=k_ok, other=0).astype(jnp.float32)   # [BK]
   if offset:
     w = 1.0 + w
   return ((x * inv[:, None]) * w[None, :]).astype(dtype), k_ok
+
+
+def _normed_rows(x_ref, nw_ref, row0, row_ok, *, d: int, bk: int, eps: float, offset: bool, dtype, body_of):
+  """The normed rows' contraction: `body_of(xn_tile, k_ok, k0, acc)` summed over the contraction
+  blocks. When one block covers d, x is loaded once for both its sum of squares and the product
+  (one memory round trip instead of two sequential loops); otherwise the norm's loop runs first."""
+  bm = row_ok.shape[0]
+  if _cdiv(d, bk) == 1:
+    k_ok = jnp.arange(bk) < d
+    x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(0, bk)], mask=row_ok[:, None] & k_ok[None, :],
+                   other=0).astype(jnp.float32)                                   # [BM, BK]
+    inv = lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)                             # [BM]
+    xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, 0, d=d, bk=bk, offset=offset, dtype=dtype, x=x)
+    return lambda init: body_of(xn, k_ok, 0, init)
+  inv = _inv_rms(x_ref, row0, row_ok, d=d, bk=bk, eps=eps)                        # [BM]
+
+  def loop(init):
+    def body(kb, acc):
+      k0 = kb * bk
+      xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, d=d, bk=bk, offset=offset, dtype=dtype)
+      return body_of(xn, k_ok, k0, acc)
+    return lax.fori_loop(0, _cdiv(d, bk), body, init)
+  return loop
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,7 +195,7 @@ def _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, *, d: int, bk: int, offse
 
 
 def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, group: int, bm: int, bh: int,
-                bk: int, has_bias: bool, qk_norm: bool, qk_eps: float, qk_offset: bool, precision):
+                bk: int, has_bias: bool, qk_norm: bool, qk_eps: float, qk_offset: bool, precision, dot: bool):
   """One (row block, head chunk) program: columns [c, c + BH) of both halves of one head.
 
   x_ref [M, d] f32; nw_ref [d]; w_ref [d, N]; cos_ref, sin_ref [M, D/2] f32; (b_ref [N]);
@@ -132,17 +210,15 @@ def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, 
   col_a = head * head_dim + c * bh                                                # first half's columns
   col_b = col_a + half                                                            # their rotary partners
   row0, row_ok = _row_mask(m, bm)
-  inv = _inv_rms(x_ref, row0, row_ok, d=d, bk=bk, eps=eps)                        # [BM]
 
-  def body(kb, acc):
+  def body(xn, k_ok, k0, acc):
     a, b = acc
-    k0 = kb * bk
-    xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, d=d, bk=bk, offset=offset, dtype=w_ref.dtype)
     wa = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_a, bh)], mask=k_ok[:, None], other=0)   # [BK, BH]
     wb = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_b, bh)], mask=k_ok[:, None], other=0)
-    return a + plgpu.dot(xn, wa, precision=precision), b + plgpu.dot(xn, wb, precision=precision)
+    return a + _contract(xn, wa, dot=dot, precision=precision), b + _contract(xn, wb, dot=dot, precision=precision)
   zeros = jnp.zeros((bm, bh), jnp.float32)
-  a, b = lax.fori_loop(0, _cdiv(d, bk), body, (zeros, zeros))                    # [BM, BH] each
+  a, b = _normed_rows(x_ref, nw_ref, row0, row_ok, d=d, bk=bk, eps=eps, offset=offset, dtype=w_ref.dtype,
+                      body_of=body)((zeros, zeros))                               # [BM, BH] each
   if has_bias:
     a = a + plgpu.load(b_ref.at[pl.ds(col_a, bh)]).astype(jnp.float32)[None, :]
     b = b + plgpu.load(b_ref.at[pl.ds(col_b, bh)]).astype(jnp.float32)[None, :]
@@ -185,13 +261,14 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
   if head_dim != _pow2(head_dim) or head_dim < 32:
     raise ValueError(f"head_dim {head_dim}: the kernel needs a power of two >= 32")
   qk_norm = q_norm is not None
-  tl = tiling or tiling_for(m, n // 2, widest=head_dim // 2)
+  tl = tiling or tuned_tiling("norm_qkv_rope", m, n, d) or tiling_for(m, n // 2, widest=head_dim // 2)
+  _check_tiling(tl)
   bh = head_dim // 2 if qk_norm else min(tl.block_n, head_dim // 2)   # QK-norm needs a whole head per program
   inputs = [x, norm_w, w, cos, sin] + ([bias] if bias is not None else []) + ([q_norm, k_norm] if qk_norm else [])
   kernel = functools.partial(
       _qkv_kernel, m=m, d=d, eps=float(eps), offset=offset, head_dim=head_dim, group=n_heads // n_kv_heads,
       bm=tl.block_m, bh=bh, bk=tl.block_k, has_bias=bias is not None, qk_norm=qk_norm, qk_eps=float(qk_eps),
-      qk_offset=qk_offset, precision=_precision(w.dtype))
+      qk_offset=qk_offset, precision=_precision(w.dtype), dot=tl.dot)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), n // (2 * bh)),
@@ -206,7 +283,8 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
 # residual + matmul (+ bias)
 
 
-def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: int, has_bias: bool, precision):
+def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: int, has_bias: bool, precision,
+                     dot: bool):
   """One (row block, column block) program. h_ref [M, K]; w_ref [K, N]; r_ref [M, N] float32;
   (b_ref [N]); o_ref [M, N] float32."""
   h_ref, w_ref, r_ref, *rest, o_ref = refs
@@ -219,8 +297,10 @@ def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: i
     k_ok = (k0 + jnp.arange(bk)) < k_size                                         # [BK]
     h = plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
     wt = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=k_ok[:, None] & col_ok[None, :], other=0)
-    return acc + plgpu.dot(h.astype(w_ref.dtype), wt, precision=precision)        # [BM, BN]
-  y = lax.fori_loop(0, _cdiv(k_size, bk), body, jnp.zeros((bm, bn), jnp.float32))
+    return acc + _contract(h.astype(w_ref.dtype), wt, dot=dot, precision=precision)   # [BM, BN]
+  zeros = jnp.zeros((bm, bn), jnp.float32)
+  steps = _cdiv(k_size, bk)
+  y = body(0, zeros) if steps == 1 else lax.fori_loop(0, steps, body, zeros)
   if has_bias:
     y = y + plgpu.load(rest[0].at[pl.ds(col0, bn)], mask=col_ok, other=0).astype(jnp.float32)[None, :]
   tile = (pl.ds(row0, bm), pl.ds(col0, bn))
@@ -235,10 +315,11 @@ def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.A
   float32; bias [N]. -> [M, N] float32, the layer's residual stream after o_proj or down_proj."""
   m, k = h.shape
   n = w.shape[1]
-  tl = tiling or tiling_for(m, n)
+  tl = tiling or tuned_tiling("matmul_residual", m, n, k) or tiling_for(m, n)
+  _check_tiling(tl)
   inputs = [h, w, residual] + ([bias] if bias is not None else [])
   kernel = functools.partial(_residual_kernel, m=m, k_size=k, n=n, bm=tl.block_m, bn=tl.block_n, bk=tl.block_k,
-                             has_bias=bias is not None, precision=_precision(w.dtype))
+                             has_bias=bias is not None, precision=_precision(w.dtype), dot=tl.dot)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), _cdiv(n, tl.block_n)),
@@ -254,24 +335,22 @@ def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.A
 
 
 def _gate_up_kernel(x_ref, nw_ref, w_ref, o_ref, *, m: int, d: int, f: int, eps: float, offset: bool,
-                    activation: str, bm: int, bf: int, bk: int, precision):
+                    activation: str, bm: int, bf: int, bk: int, precision, dot: bool):
   """One (row block, unit block) program. x_ref [M, d] f32; nw_ref [d]; w_ref [d, F, 2] (gate_j,
   up_j side by side); o_ref [M, F]."""
   row0, row_ok = _row_mask(m, bm)
-  inv = _inv_rms(x_ref, row0, row_ok, d=d, bk=bk, eps=eps)                        # [BM]
   u0 = pl.program_id(1) * bf
   unit_ok = (u0 + jnp.arange(bf)) < f                                             # [BF]
 
-  def body(kb, acc):
+  def body(xn, k_ok, k0, acc):
     g, u = acc
-    k0 = kb * bk
-    xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, d=d, bk=bk, offset=offset, dtype=w_ref.dtype)
     ok = k_ok[:, None] & unit_ok[None, :]
     wg = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(0)], mask=ok, other=0)   # [BK, BF] gate columns
     wu = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(1)], mask=ok, other=0)   # [BK, BF] up columns
-    return g + plgpu.dot(xn, wg, precision=precision), u + plgpu.dot(xn, wu, precision=precision)
+    return g + _contract(xn, wg, dot=dot, precision=precision), u + _contract(xn, wu, dot=dot, precision=precision)
   zeros = jnp.zeros((bm, bf), jnp.float32)
-  g, u = lax.fori_loop(0, _cdiv(d, bk), body, (zeros, zeros))                    # [BM, BF] each
+  g, u = _normed_rows(x_ref, nw_ref, row0, row_ok, d=d, bk=bk, eps=eps, offset=offset, dtype=w_ref.dtype,
+                      body_of=body)((zeros, zeros))                               # [BM, BF] each
   g = jax.nn.silu(g) if activation == "silu" else jax.nn.gelu(g, approximate=True)
   plgpu.store(o_ref.at[pl.ds(row0, bm), pl.ds(u0, bf)], (g * u).astype(o_ref.dtype),
               mask=row_ok[:, None] & unit_ok[None, :])
@@ -289,9 +368,10 @@ def norm_gate_up(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float, o
     raise ValueError(f"activation {activation!r}: the kernel has {ACTIVATIONS}")
   m, d = x.shape
   f = w.shape[1] // 2
-  tl = tiling or tiling_for(m, f)
+  tl = tiling or tuned_tiling("norm_gate_up", m, 2 * f, d) or tiling_for(m, f)
+  _check_tiling(tl)
   kernel = functools.partial(_gate_up_kernel, m=m, d=d, f=f, eps=float(eps), offset=offset, activation=activation,
-                             bm=tl.block_m, bf=tl.block_n, bk=tl.block_k, precision=_precision(w.dtype))
+                             bm=tl.block_m, bf=tl.block_n, bk=tl.block_k, precision=_precision(w.dtype), dot=tl.dot)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), _cdiv(f, tl.block_n)),
