@@ -57,10 +57,14 @@ VARIANTS = {
     # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
     # their tilings from SPECJAX_FUSED_TILINGS or the packaged table, as the engine reads them)
     "fused_layers": "",
+    # the fused layers with custom calls (the Pallas kernels) in the command buffers, and with the
+    # loop itself captured too
+    "fused_cmdbuf": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+    "fused_cmdbuf_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
 
 # variants that set environment variables in the child: name -> {variable: value}
-VARIANT_ENV = {"fused_layers": {"SPECJAX_FUSED_DECODE": "1"}}
+VARIANT_ENV = {name: {"SPECJAX_FUSED_DECODE": "1"} for name in ("fused_layers", "fused_cmdbuf", "fused_cmdbuf_while")}
 
 def two_row_products() -> None:
   """Patch `Linear` (in this child process only) so that a one-row product (a batch-1 decode step)
