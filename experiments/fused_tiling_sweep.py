@@ -13,7 +13,8 @@ steps (one step: the whole contraction in one load), warps and pipeline stages) 
 dependent calls inside one jitted fori_loop (its output feeds the next call's input, as the layers
 of a step feed each other), median of --repeats loops; the same loop around the XLA expression of
 the kernel (norm, product, bias, rotary, activation, residual as `specjax.models.layers` compute
-them) is the baseline. A tiling that fails to compile is recorded with its error.
+them) is the baseline, and the same loop with the kernel replaced by one tiny fusion is the loop's
+own cost (`floor_us`: subtract it from both to compare the kernels alone). A tiling that fails to compile is recorded with its error.
 
 Writes --out (config, git revision, device, a row per kernel, rows and tiling with us per call and
 the XLA baseline) after every kernel, and --table-out: the fastest tiling per kernel and shape for
@@ -159,13 +160,17 @@ def main(argv=None):
       kernel = name.split()[0]
       key = fd.tiling_key(kernel, m, n, k)
       xla_us = statistics.median(us_per_call(xla, feedback, x0, args.steps, args.repeats))
-      want = np.asarray(xla(x0), np.float32)
+      y0 = xla(x0)
+      want = np.asarray(y0, np.float32)
+      # the loop's own cost: the same dependent chain with the kernel replaced by one tiny fusion
+      floor_us = statistics.median(us_per_call(lambda x: y0 + x[:1, :1].astype(y0.dtype), feedback, x0,
+                                               args.steps, args.repeats))
       best, default_us = None, None
       for tl in [None] + tilings(m, k, args.tiny):   # None: the kernel's own choice (table or rule)
         if time.perf_counter() - t_start > args.budget_s:
           break
         row = {"kernel": name, "key": key, "rows": m, "tiling": "default" if tl is None else tl.__dict__,
-               "xla_us": xla_us}
+               "xla_us": xla_us, "floor_us": floor_us}
         try:
           got = np.asarray(fused(x0, tl), np.float32)
           row["max_abs_diff"] = float(np.max(np.abs(got - want)))
@@ -182,8 +187,9 @@ def main(argv=None):
         table[key] = best["tiling"]
         result["best"][f"{name} m{m}"] = {"key": key, "us": best["us"], "xla_us": xla_us,
                                           "speedup": xla_us / best["us"], "tiling": best["tiling"],
-                                          "max_abs_diff": best["max_abs_diff"], "default_us": default_us}
-        print(f"{name:26s} m={m:3d}: xla {xla_us:7.2f} us  default {default_us or float('nan'):7.2f} us  "
+                                          "max_abs_diff": best["max_abs_diff"], "default_us": default_us,
+                                          "floor_us": floor_us}
+        print(f"{name:26s} m={m:3d}: loop floor {floor_us:6.2f} us  xla {xla_us:7.2f} us  default {default_us or float('nan'):7.2f} us  "
               f"best {best['us']:7.2f} us ({xla_us / best['us']:.2f}x xla) "
               f"{best['tiling']}  max|diff| {best['max_abs_diff']:.3g}", flush=True)
       save()

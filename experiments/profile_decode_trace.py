@@ -39,10 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# names of the project's Pallas kernels that no generic rule below recognises
+PALLAS_NAMES = {"norm_qkv_rope", "matmul_residual", "norm_gate_up", "accept_sample", "invariant_matmul", "invariant_rmsnorm"}
+
+
 def kernel_kind(name: str) -> str:
   """A kernel's kind from its name (cuBLAS / CUTLASS GEMMs, XLA fusions, Triton / Pallas kernels,
   copies and memsets)."""
   n = name.lower()
+  if n.split("__")[0] in PALLAS_NAMES:   # the fused decode kernels' names (a `__N` suffix per instance)
+    return "triton/pallas"
   if any(k in n for k in ("gemm", "gemv", "cublas", "cutlass", "sm90_xmma", "nvjet", "matmul", "dot")):
     return "gemm"
   if any(k in n for k in ("memcpy", "memset", "copy")):

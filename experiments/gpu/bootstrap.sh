@@ -10,7 +10,8 @@
 #     matches, `specjax fetch $MODEL --from-file` installs it into $SPECJAX_HOME;
 #   - files an earlier machine returned ($CARRY_PERSIST/, e.g. a data tar or a head) seed $PERSIST;
 #     a file that travelled in pieces (`split -b 10M -d F F.part; stat -c %s F > F.size`) is joined
-#     once the pieces' sizes add up.
+#     once the pieces' sizes add up; files under $CARRY_PERSIST/assets/ are then put at the same path
+#     under assets/ of the checkout where it lacks them (heads the configs name, carried over calls).
 # Environment (defaults in brackets): WORK [$HOME/specjax-gpu], SPECJAX_HOME [$WORK/home],
 # SPECJAX_DATA [$WORK/data], SITE [$WORK/site], PERSIST [$WORK/persist], WHEELS [.whl],
 # DATA_CARRY [.data], CHUNKS [.weights/*.part*], MODEL [smollm2-135m-instruct],
@@ -50,12 +51,18 @@ if [ "${SMOKE:-0}" != 1 ]; then
 fi
 CARRY_PERSIST=${CARRY_PERSIST:-.gpucarry/persist}
 [ -d "$CARRY_PERSIST" ] && cp -rn "$CARRY_PERSIST/." "$PERSIST/"
-for size in "$PERSIST"/*.size "$PERSIST"/*/*.size; do
-  [ -f "$size" ] || continue
+while IFS= read -r size; do
   f=${size%.size}
   [ -f "$f" ] && continue
   if [ "$(cat "$f".part* 2>/dev/null | wc -c)" = "$(cat "$size")" ]; then cat "$f".part* > "$f" && rm -f "$f".part*; fi
-done
+done < <(find "$PERSIST" -name '*.size' -type f)
+# heads carried as $CARRY_PERSIST/assets/PATH (whole or in pieces) are put at assets/PATH of this
+# checkout when it lacks them, where configs name them (a tracked file kept out of a call's tree)
+if [ -d "$PERSIST/assets" ]; then
+  while IFS= read -r f; do
+    [ -f "$f" ] || { mkdir -p "$(dirname "$f")" && cp "$PERSIST/$f" "$f"; }
+  done < <(cd "$PERSIST" && find assets -type f ! -name '*.size' ! -name '*.part[0-9]*')
+fi
 device_kind() { python3 -c 'import jax; print(jax.devices()[0].device_kind)'; }
 # progress bars: keep their last state and lines that are not bars; an error printed on an
 # unfinished bar's line is split off first, so it is not dropped
