@@ -9,7 +9,8 @@ each row count of --rows (batch x new tokens of a decode or verification step), 
 a fused layer: `norm_qkv_rope` (576 -> 960), `matmul_residual` as o_proj (576 -> 576) and as
 down_proj (1536 -> 576), `norm_gate_up` (576 -> 2 x 1536). Every tiling of the grid (tensor-core
 dots over 16-row blocks; for one row also the multiply-and-sum product; column widths, contraction
-steps (one step: the whole contraction in one load), warps and pipeline stages) runs --steps
+steps (one step: the whole contraction in one load; unrolled: every block loaded first), warps and
+pipeline stages) runs --steps
 dependent calls inside one jitted fori_loop (its output feeds the next call's input, as the layers
 of a step feed each other), median of --repeats loops; the same loop around the XLA expression of
 the kernel (norm, product, bias, rotary, activation, residual as `specjax.models.layers` compute
@@ -49,21 +50,26 @@ TINY = (72, 4, 2, 32, 80)
 
 
 def tilings(m: int, k: int, tiny: bool) -> list[fd.Tiling]:
-  """The grid for m rows and contraction k: 16-row tensor-core tiles, and for one row the
-  multiply-and-sum product too; contraction steps of 128 / 256 and the whole of k in one step."""
+  """The grid for m rows and contraction k, unrolled contractions first (every block's loads issued
+  before the first product): 16-row tensor-core tiles, and for one row the multiply-and-sum product
+  too; looped contractions of 128 / 256 per step (1 or 3 pipeline stages), and all of k in one step."""
   one_step = fd._pow2(k)
-  bks = sorted({b for b in (128, 256, one_step) if b <= one_step})
   if tiny:
-    return [fd.Tiling(16, 16, one_step, 4, 1), fd.Tiling(1, 16, 32, 2, 1, dot=False)]
-  grid = []
+    return [fd.Tiling(16, 16, one_step, 4, 1), fd.Tiling(1, 16, 32, 2, 1, dot=False),
+            fd.Tiling(1, 16, 32, 2, 1, dot=False, unroll=True)]
   bm = max(16, fd._pow2(m))
+  grid = []
+  if m == 1:
+    grid += [fd.Tiling(1, bn, bk, warps, 1, dot=False, unroll=True)
+             for bn, bk, warps in itertools.product((8, 16, 32), (64, 128), (2, 4, 8))]
+  grid += [fd.Tiling(bm, bn, bk, 4, 1, unroll=True) for bn, bk in itertools.product((16, 32, 64), (64, 128))]
+  bks = sorted({b for b in (128, 256, one_step) if b <= one_step})
   for bn, bk, stages in itertools.product((16, 32, 64), bks, (1, 3)):
     if stages == 1 or bk < one_step:   # pipeline stages matter only to a contraction loop
       grid.append(fd.Tiling(bm, bn, bk, 4, stages))
   if m == 1:
-    for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), bks, (2, 4, 8), (1, 3)):
-      if bn * bk <= 64 * 1024 and (stages == 1 or bk < one_step):   # the [BK, BN] product is held in registers
-        grid.append(fd.Tiling(1, bn, bk, warps, stages, dot=False))
+    for bn, bk, warps, stages in itertools.product((8, 16, 32), (128, 256), (2, 4, 8), (1, 3)):
+      grid.append(fd.Tiling(1, bn, bk, warps, stages, dot=False))
   return grid
 
 

@@ -100,14 +100,17 @@ TILINGS = {   # (tiling, rows)
     "dot-one-step": (fd.Tiling(block_m=16, block_n=16, block_k=128), 5),       # the contraction in one load
     "row-sums-loop": (fd.Tiling(block_m=1, block_n=16, block_k=32, dot=False), 3),
     "row-sums-one-step": (fd.Tiling(block_m=1, block_n=32, block_k=128, dot=False), 2),
+    "dot-unrolled": (fd.Tiling(block_m=16, block_n=16, block_k=32, unroll=True), 5),   # 3 blocks, the last ragged
+    "row-sums-unrolled": (fd.Tiling(block_m=1, block_n=16, block_k=32, dot=False, unroll=True), 2),
 }
 
 
 @pytest.mark.parametrize("tiling", list(TILINGS))
 def test_kernels_over_row_blocks_and_ragged_columns(tiling):
   """Each kernel against its XLA expression in float32 under every kind of tiling: tensor-core
-  dots over row blocks, the contraction in one load (norm and product from the same tile), and
-  the one-row multiply-and-sum product; 16 / 32-wide tiles over ragged widths 72 / 80."""
+  dots over row blocks, the contraction in one load (norm and product from the same tile), the
+  one-row multiply-and-sum product, and the contraction unrolled (every block loaded first);
+  16 / 32-wide tiles over ragged widths 72 / 80."""
   rng = np.random.default_rng(0)
   tl, m = TILINGS[tiling]
   d, f, h, kvh, hd = 72, 80, 4, 2, 32

@@ -61,6 +61,7 @@ class Tiling:
   num_warps: int = 4
   num_stages: int = 3
   dot: bool = True        # tensor-core dot over a block of rows; False: one row (block_m 1), multiply + column sums
+  unroll: bool = False    # the contraction's blocks unrolled, every block's loads issued before the first is used
 
   @classmethod
   def from_dict(cls, d: dict) -> "Tiling":
@@ -152,41 +153,65 @@ def _inv_rms(x_ref, row0, row_ok, *, d: int, bk: int, eps: float):
   return lax.rsqrt(ss / d + eps)
 
 
-def _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, *, d: int, bk: int, offset: bool, dtype, x=None):
+def _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, *, d: int, bk: int, offset: bool, dtype, x=None, nw=None):
   """Rows [BM, BK] of x at contraction offset k0, normed (x * inv_rms * w, float32) then rounded to
   the weight dtype as `Linear` rounds its input; zero past d. Also returns the [BK] validity.
-  `x`: the tile already loaded (a one-step contraction loads it once for the norm and the product)."""
+  `x`, `nw`: the x tile and the norm weights' [BK] block already loaded."""
   bm = row_ok.shape[0]
   k_ok = (k0 + jnp.arange(bk)) < d                                                # [BK]
   if x is None:
     x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :],
                    other=0).astype(jnp.float32)                                   # [BM, BK]
-  w = plgpu.load(nw_ref.at[pl.ds(k0, bk)], mask=k_ok, other=0).astype(jnp.float32)   # [BK]
+  if nw is None:
+    nw = plgpu.load(nw_ref.at[pl.ds(k0, bk)], mask=k_ok, other=0)
+  w = nw.astype(jnp.float32)                                                      # [BK]
   if offset:
     w = 1.0 + w
   return ((x * inv[:, None]) * w[None, :]).astype(dtype), k_ok
 
 
-def _normed_rows(x_ref, nw_ref, row0, row_ok, *, d: int, bk: int, eps: float, offset: bool, dtype, body_of):
-  """The normed rows' contraction: `body_of(xn_tile, k_ok, k0, acc)` summed over the contraction
-  blocks. When one block covers d, x is loaded once for both its sum of squares and the product
-  (one memory round trip instead of two sequential loops); otherwise the norm's loop runs first."""
-  bm = row_ok.shape[0]
-  if _cdiv(d, bk) == 1:
-    k_ok = jnp.arange(bk) < d
-    x = plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(0, bk)], mask=row_ok[:, None] & k_ok[None, :],
-                   other=0).astype(jnp.float32)                                   # [BM, BK]
-    inv = lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)                             # [BM]
-    xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, 0, d=d, bk=bk, offset=offset, dtype=dtype, x=x)
-    return lambda init: body_of(xn, k_ok, 0, init)
+def _block_starts(n_blocks: int, bk: int):
+  """Start offsets of an unrolled contraction's blocks as traced values (block kb at kb * bk): the
+  last block may run past the array's end under its mask, which Pallas refuses for constant starts
+  but allows for traced ones, as in a loop. The added zero is folded away by the compiler."""
+  zero = pl.program_id(0) * 0
+  return [zero + kb * bk for kb in range(n_blocks)]
+
+
+def _normed_rows(x_ref, nw_ref, row0, row_ok, *, d: int, bk: int, eps: float, offset: bool, dtype, load_of,
+                 contract_of, unroll: bool):
+  """The normed rows' contraction: acc -> acc + sum over contraction blocks of
+  `contract_of(xn_tile, load_of(k0, k_ok), acc)` (`load_of` loads a block's weight tiles).
+
+  Unrolled (or one block covering d): every x block and every weight block is loaded first, then the
+  norm's sum of squares and the products use them, so the program waits for memory about once rather
+  than once per block. Otherwise two loops: the norm's, then the product's."""
+  n_blocks = _cdiv(d, bk)
+  if unroll or n_blocks == 1:
+    bm = row_ok.shape[0]
+    starts = _block_starts(n_blocks, bk)
+    oks = [(kb * bk + jnp.arange(bk)) < d for kb in range(n_blocks)]                # [BK] each
+    xs = [plgpu.load(x_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & ok[None, :],
+                     other=0).astype(jnp.float32) for k0, ok in zip(starts, oks)]  # [BM, BK] each
+    nws = [plgpu.load(nw_ref.at[pl.ds(k0, bk)], mask=ok, other=0) for k0, ok in zip(starts, oks)]   # [BK] each
+    tiles = [load_of(k0, ok) for k0, ok in zip(starts, oks)]
+    inv = lax.rsqrt(sum(jnp.sum(x * x, axis=1) for x in xs) / d + eps)          # [BM]
+
+    def unrolled(acc):
+      for kb in range(n_blocks):
+        xn, _ = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, starts[kb], d=d, bk=bk, offset=offset, dtype=dtype,
+                             x=xs[kb], nw=nws[kb])
+        acc = contract_of(xn, tiles[kb], acc)
+      return acc
+    return unrolled
   inv = _inv_rms(x_ref, row0, row_ok, d=d, bk=bk, eps=eps)                        # [BM]
 
   def loop(init):
     def body(kb, acc):
       k0 = kb * bk
       xn, k_ok = _normed_tile(x_ref, nw_ref, row0, row_ok, inv, k0, d=d, bk=bk, offset=offset, dtype=dtype)
-      return body_of(xn, k_ok, k0, acc)
-    return lax.fori_loop(0, _cdiv(d, bk), body, init)
+      return contract_of(xn, load_of(k0, k_ok), acc)
+    return lax.fori_loop(0, n_blocks, body, init)
   return loop
 
 
@@ -195,7 +220,8 @@ def _normed_rows(x_ref, nw_ref, row0, row_ok, *, d: int, bk: int, eps: float, of
 
 
 def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, group: int, bm: int, bh: int,
-                bk: int, has_bias: bool, qk_norm: bool, qk_eps: float, qk_offset: bool, precision, dot: bool):
+                bk: int, has_bias: bool, qk_norm: bool, qk_eps: float, qk_offset: bool, precision, dot: bool,
+                unroll: bool):
   """One (row block, head chunk) program: columns [c, c + BH) of both halves of one head.
 
   x_ref [M, d] f32; nw_ref [d]; w_ref [d, N]; cos_ref, sin_ref [M, D/2] f32; (b_ref [N]);
@@ -211,14 +237,16 @@ def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, 
   col_b = col_a + half                                                            # their rotary partners
   row0, row_ok = _row_mask(m, bm)
 
-  def body(xn, k_ok, k0, acc):
-    a, b = acc
-    wa = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_a, bh)], mask=k_ok[:, None], other=0)   # [BK, BH]
-    wb = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_b, bh)], mask=k_ok[:, None], other=0)
+  def load_of(k0, k_ok):   # [BK, BH] weight tiles of both halves
+    return (plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_a, bh)], mask=k_ok[:, None], other=0),
+            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_b, bh)], mask=k_ok[:, None], other=0))
+
+  def contract_of(xn, tiles, acc):
+    (wa, wb), (a, b) = tiles, acc
     return a + _contract(xn, wa, dot=dot, precision=precision), b + _contract(xn, wb, dot=dot, precision=precision)
   zeros = jnp.zeros((bm, bh), jnp.float32)
   a, b = _normed_rows(x_ref, nw_ref, row0, row_ok, d=d, bk=bk, eps=eps, offset=offset, dtype=w_ref.dtype,
-                      body_of=body)((zeros, zeros))                               # [BM, BH] each
+                      load_of=load_of, contract_of=contract_of, unroll=unroll)((zeros, zeros))   # [BM, BH] each
   if has_bias:
     a = a + plgpu.load(b_ref.at[pl.ds(col_a, bh)]).astype(jnp.float32)[None, :]
     b = b + plgpu.load(b_ref.at[pl.ds(col_b, bh)]).astype(jnp.float32)[None, :]
@@ -268,7 +296,7 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
   kernel = functools.partial(
       _qkv_kernel, m=m, d=d, eps=float(eps), offset=offset, head_dim=head_dim, group=n_heads // n_kv_heads,
       bm=tl.block_m, bh=bh, bk=tl.block_k, has_bias=bias is not None, qk_norm=qk_norm, qk_eps=float(qk_eps),
-      qk_offset=qk_offset, precision=_precision(w.dtype), dot=tl.dot)
+      qk_offset=qk_offset, precision=_precision(w.dtype), dot=tl.dot, unroll=tl.unroll)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), n // (2 * bh)),
@@ -284,7 +312,7 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
 
 
 def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: int, has_bias: bool, precision,
-                     dot: bool):
+                     dot: bool, unroll: bool):
   """One (row block, column block) program. h_ref [M, K]; w_ref [K, N]; r_ref [M, N] float32;
   (b_ref [N]); o_ref [M, N] float32."""
   h_ref, w_ref, r_ref, *rest, o_ref = refs
@@ -292,15 +320,22 @@ def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: i
   col0 = pl.program_id(1) * bn
   col_ok = (col0 + jnp.arange(bn)) < n                                            # [BN]
 
-  def body(kb, acc):
-    k0 = kb * bk
+  def load(k0):   # h [BM, BK] and w [BK, BN] of one contraction block
     k_ok = (k0 + jnp.arange(bk)) < k_size                                         # [BK]
-    h = plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
-    wt = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=k_ok[:, None] & col_ok[None, :], other=0)
+    return (plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0),
+            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=k_ok[:, None] & col_ok[None, :], other=0))
+
+  def contract_of(tiles, acc):
+    h, wt = tiles
     return acc + _contract(h.astype(w_ref.dtype), wt, dot=dot, precision=precision)   # [BM, BN]
   zeros = jnp.zeros((bm, bn), jnp.float32)
   steps = _cdiv(k_size, bk)
-  y = body(0, zeros) if steps == 1 else lax.fori_loop(0, steps, body, zeros)
+  if unroll or steps == 1:   # every block's loads issued before the first product
+    y = zeros
+    for tiles in [load(k0) for k0 in _block_starts(steps, bk)]:
+      y = contract_of(tiles, y)
+  else:
+    y = lax.fori_loop(0, steps, lambda kb, acc: contract_of(load(kb * bk), acc), zeros)
   if has_bias:
     y = y + plgpu.load(rest[0].at[pl.ds(col0, bn)], mask=col_ok, other=0).astype(jnp.float32)[None, :]
   tile = (pl.ds(row0, bm), pl.ds(col0, bn))
@@ -319,7 +354,8 @@ def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.A
   _check_tiling(tl)
   inputs = [h, w, residual] + ([bias] if bias is not None else [])
   kernel = functools.partial(_residual_kernel, m=m, k_size=k, n=n, bm=tl.block_m, bn=tl.block_n, bk=tl.block_k,
-                             has_bias=bias is not None, precision=_precision(w.dtype), dot=tl.dot)
+                             has_bias=bias is not None, precision=_precision(w.dtype), dot=tl.dot,
+                             unroll=tl.unroll)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), _cdiv(n, tl.block_n)),
@@ -335,22 +371,24 @@ def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.A
 
 
 def _gate_up_kernel(x_ref, nw_ref, w_ref, o_ref, *, m: int, d: int, f: int, eps: float, offset: bool,
-                    activation: str, bm: int, bf: int, bk: int, precision, dot: bool):
+                    activation: str, bm: int, bf: int, bk: int, precision, dot: bool, unroll: bool):
   """One (row block, unit block) program. x_ref [M, d] f32; nw_ref [d]; w_ref [d, F, 2] (gate_j,
   up_j side by side); o_ref [M, F]."""
   row0, row_ok = _row_mask(m, bm)
   u0 = pl.program_id(1) * bf
   unit_ok = (u0 + jnp.arange(bf)) < f                                             # [BF]
 
-  def body(xn, k_ok, k0, acc):
-    g, u = acc
+  def load_of(k0, k_ok):   # [BK, BF] gate and up columns
     ok = k_ok[:, None] & unit_ok[None, :]
-    wg = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(0)], mask=ok, other=0)   # [BK, BF] gate columns
-    wu = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(1)], mask=ok, other=0)   # [BK, BF] up columns
+    return (plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(0)], mask=ok, other=0),
+            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(1)], mask=ok, other=0))
+
+  def contract_of(xn, tiles, acc):
+    (wg, wu), (g, u) = tiles, acc
     return g + _contract(xn, wg, dot=dot, precision=precision), u + _contract(xn, wu, dot=dot, precision=precision)
   zeros = jnp.zeros((bm, bf), jnp.float32)
   g, u = _normed_rows(x_ref, nw_ref, row0, row_ok, d=d, bk=bk, eps=eps, offset=offset, dtype=w_ref.dtype,
-                      body_of=body)((zeros, zeros))                               # [BM, BF] each
+                      load_of=load_of, contract_of=contract_of, unroll=unroll)((zeros, zeros))   # [BM, BF] each
   g = jax.nn.silu(g) if activation == "silu" else jax.nn.gelu(g, approximate=True)
   plgpu.store(o_ref.at[pl.ds(row0, bm), pl.ds(u0, bf)], (g * u).astype(o_ref.dtype),
               mask=row_ok[:, None] & unit_ok[None, :])
@@ -371,7 +409,8 @@ def norm_gate_up(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float, o
   tl = tiling or tuned_tiling("norm_gate_up", m, 2 * f, d) or tiling_for(m, f)
   _check_tiling(tl)
   kernel = functools.partial(_gate_up_kernel, m=m, d=d, f=f, eps=float(eps), offset=offset, activation=activation,
-                             bm=tl.block_m, bf=tl.block_n, bk=tl.block_k, precision=_precision(w.dtype), dot=tl.dot)
+                             bm=tl.block_m, bf=tl.block_n, bk=tl.block_k, precision=_precision(w.dtype), dot=tl.dot,
+                             unroll=tl.unroll)
   return pl.pallas_call(
       kernel,
       grid=(_cdiv(m, tl.block_m), _cdiv(f, tl.block_n)),
