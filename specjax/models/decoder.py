@@ -95,6 +95,8 @@ class Transformer(nnx.Module):
       out = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     else:
       w = self.lm_head.kernel[...]
+      if self.cfg.invariant:   # a row's logits summed alike whatever the rows beside it, as the tied head's
+        return invariant_matmul.pallas_matmul(h, w)                               # [B, T, V]
       out = jnp.einsum("btd,dv->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
     return out
 
