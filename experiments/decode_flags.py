@@ -3,8 +3,9 @@
 A batch-1 decode step of SmolLM2-135M is bound by kernel launches, not by its 270 MB of weights
 (~1 ms against a ~0.08 ms bandwidth floor on an H100; experiments/README, "How fast is plain
 decoding?"), so what counts is how many kernels XLA makes of a layer. For each variant (a named set
-of XLA flags, --variants; VARIANTS lists them; a few also patch the model's code, PATCHES, or set variables, VARIANT_ENV) a child
-process started with those flags in XLA_FLAGS (they are read once, when the backend starts):
+of XLA flags, --variants; VARIANTS lists them; a few also patch the model's code, PATCHES, or set
+environment variables, VARIANT_ENV) a child process started with those flags in XLA_FLAGS (they are
+read once, when the backend starts):
 
 - compiles one plain decode step (`parallel.hlo.decode_step_hlo` on a one-device mesh: the engine's
   `decode_step`, as the decode loop runs it) of the target cut to 1 and to 2 layers and counts the

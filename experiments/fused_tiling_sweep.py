@@ -74,7 +74,8 @@ def tilings(m: int, k: int, tiny: bool) -> list[fd.Tiling]:
 
 
 def cases(shape, m: int, rng, dtype):
-  """kernel name -> (n, k, fused call (x, tiling) -> y, XLA call x -> y, feedback y -> x, x0, key shape).
+  """kernel name -> (n, k, fused call (x, tiling) -> y, XLA call x -> y, feedback y -> x, x0): n and k
+  the output and contraction widths of its tiling key.
 
   x is the kernel's varying input; the feedback makes the next call depend on this one's output."""
   d, h, kvh, hd, f = shape
@@ -137,7 +138,7 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new tilings after this long")
-  ap.add_argument("--tiny", action="store_true", help="a tiny shape, two tilings, 2 steps (CPU dry run, interpret mode)")
+  ap.add_argument("--tiny", action="store_true", help="a tiny shape, three tilings, 2 steps (CPU dry run, interpret mode)")
   ap.add_argument("--out", required=True)
   ap.add_argument("--table-out", default=None)
   args = ap.parse_args(argv)
