@@ -113,9 +113,11 @@ def self_check(target, prompt: list[int], capacity: int) -> dict:
 # the equality runs
 
 
-def build_drafters(target) -> dict:
+def build_drafters(target, methods) -> dict:
+  """The named methods' speculators (only these: a head the run does not use need not be here)."""
   out = {}
-  for name, spec in METHODS.items():
+  for name in methods:
+    spec = METHODS[name]
     if spec is None:
       continue
     speculator, head, dp, options = spec
@@ -208,7 +210,7 @@ def main(argv=None):
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
       write(result, out)
 
-  drafters = {mode: build_drafters(targets[mode]) for mode in args.modes}
+  drafters = {mode: build_drafters(targets[mode], args.methods) for mode in args.modes}
   for k, (q, prompt) in enumerate(zip(questions, prompts)):
     if args.budget and time.perf_counter() - t_start > args.budget:
       print(f"[invariant] budget of {args.budget:.0f} s spent: stopping before prompt {k}", flush=True)
