@@ -141,7 +141,11 @@ def summarize(result: dict) -> None:
   """tokens/s and equality per mode and method, and the invariant / default cost."""
   summary = {}
   for mode, per_method in result["runs"].items():
+    plain = per_method.get("plain", {})
     for name, rows in per_method.items():
+      for key, r in rows.items():          # plain may have run after a method (a resumed run)
+        if name != "plain" and key in plain:
+          r["equal"] = r["tokens"] == plain[key]["tokens"]
       done = [r for r in rows.values()]
       if not done:
         continue
