@@ -169,9 +169,12 @@ def main(argv=None):
       xla_us = statistics.median(us_per_call(xla, feedback, x0, args.steps, args.repeats))
       y0 = xla(x0)
       want = np.asarray(y0, np.float32)
-      # the loop's own cost: the same dependent chain with the kernel replaced by one tiny fusion
-      floor_us = statistics.median(us_per_call(lambda x: y0 + x[:1, :1].astype(y0.dtype), feedback, x0,
-                                               args.steps, args.repeats))
+      # the loop's own cost: the same dependent chain with the kernel replaced by one broadcast of
+      # an element of its input (no captured constant: a closed-over output array made the floor
+      # loop slower than the kernels it was to be subtracted from)
+      floor_us = statistics.median(us_per_call(
+          lambda x, shape=y0.shape, dt=y0.dtype: jnp.broadcast_to(x[:1, :1].astype(dt), shape), feedback, x0,
+          args.steps, args.repeats))
       best, default_us = None, None
       for tl in [None] + tilings(m, k, args.tiny):   # None: the kernel's own choice (table or rule)
         if time.perf_counter() - t_start > args.budget_s:
