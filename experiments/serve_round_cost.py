@@ -1,4 +1,5 @@
-"""What a serving round costs beside the offline engine's decode step (plain decoding, one request).
+"""What a serving round costs beside the offline engine's round (one request; plain decoding, or
+one speculator with --speculator).
 
 `specjax serve` at one client ran a plain round in 1.88 ms where the offline engine's decode step
 takes 1.08 ms on the same GPU and capacity (experiments/README, "How fast is specjax serving under
@@ -13,12 +14,21 @@ load?"). This script splits that gap in one process:
   scheduler). With 1 slot nothing is gathered or written back; with more, the live slot is
   gathered into the batch-1 bucket per call.
 
+With --speculator NAME (--n-max K, --head PATH; with --random-shape or --tiny an MTP head is random,
+so its drafts are rarely accepted, which leaves the round's cost as it is): the engine's round is
+`speculative_generate`'s at batch 1, ms per round = the difference of the times over the
+difference of the rounds; the server's is `SlotEngine.step` at the drafter's full width (not
+adaptive: every round drafts K), each request asking for n_max K. Rows also give tokens per round,
+so the two rounds can be compared as work done, not only as time.
+
 Every configuration runs once untimed (compilation) and --repeats times timed (the median kept).
 The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 
   python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
   python experiments/serve_round_cost.py --random-shape --out $OUT/serve_round_cost.json  # no weights needed
   python experiments/serve_round_cost.py --tiny --new-tokens 16 --out /tmp/src.json       # CPU dry run
+  python experiments/serve_round_cost.py --speculator mtp --n-max 3 --head assets/smollm2/mtp/mtp_head.safetensors \
+      --slots 1 64 --rounds-per-call 1 8 --out $OUT/serve_round_cost_mtp.json             # GPU, the trained head
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import numpy as np  # noqa: E402
 
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters.base import DraftParams  # noqa: E402
+from specjax.engine import speculative_generate  # noqa: E402
 from specjax.engine.decode import generate_plain  # noqa: E402
 from specjax.models.load import LoadedModel  # noqa: E402
 from specjax.serve.cli import build_server  # noqa: E402
@@ -65,24 +76,54 @@ def load_target(args):
   return target, prompt
 
 
-def engine_ms_per_step(target, prompt, args) -> float:
-  """Median over repeats of (t(N) - t(N/2)) / (N - N/2) for generate_plain at batch 1."""
+def speculator_args(target, args) -> dict:
+  """`build_server` / `make_speculator` keywords of --speculator (empty: plain decoding)."""
+  if not args.speculator:
+    return {}
+  head = args.head
+  if head is None and args.speculator == "mtp" and (args.tiny or args.random_shape):
+    from specjax.drafters.mtp import init_heads
+    head = init_heads(target.cfg, args.n_max, seed=1)
+  return {"speculator": args.speculator, "head": head, "n_max": args.n_max}
+
+
+def engine_ms_per_step(target, prompt, args) -> tuple[float, float]:
+  """(ms per round, tokens per round): median over repeats of (t(N) - t(N/2)) / (rounds(N) -
+  rounds(N/2)) for the engine at batch 1 (a plain round is one step)."""
   lengths = (args.new_tokens // 2, args.new_tokens)
-  run = lambda n: generate_plain(target.params, target.cfg, [prompt], max_new_tokens=n, capacity=args.capacity).seconds
+  spec = speculator_args(target, args)
+  if spec:
+    from specjax.drafters.registry import make_speculator
+    drafter = make_speculator(spec["speculator"], target, head=spec["head"], draft_params=DraftParams(n_max=args.n_max))
+
+    def run(n):
+      out = speculative_generate(target.params, target.cfg, [prompt], drafter, max_new_tokens=n, capacity=args.capacity,
+                                 draft_params=DraftParams(n_max=args.n_max))
+      return out.seconds, out.stats.rounds, len(out.tokens[0])
+  else:
+    def run(n):
+      out = generate_plain(target.params, target.cfg, [prompt], max_new_tokens=n, capacity=args.capacity)
+      return out.seconds, n, n
   for n in lengths:
     run(n)                                                      # compilation
-  diffs = [(run(lengths[1]) - run(lengths[0])) / (lengths[1] - lengths[0]) for _ in range(args.repeats)]
-  return 1e3 * statistics.median(diffs)
+  diffs, rates = [], []
+  for _ in range(args.repeats):
+    (t0, r0, n0), (t1, r1, n1) = run(lengths[0]), run(lengths[1])
+    diffs.append((t1 - t0) / max(r1 - r0, 1))
+    rates.append((n1 - n0) / max(r1 - r0, 1))
+  return 1e3 * statistics.median(diffs), statistics.median(rates)
 
 
-def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int]:
-  """Median ms per round of `SlotEngine.step` for one request of --new-tokens, and its rounds."""
+def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int, float]:
+  """Median ms per round of `SlotEngine.step` for one request of --new-tokens, its rounds and its
+  tokens per round."""
   buckets = [n for n in (1, 8, 32, 64) if n <= slots]
-  engine = build_server(target, None, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
-                        rounds_per_call=rounds_per_call).scheduler.engine
+  spec = speculator_args(target, args)
+  engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
+                        rounds_per_call=rounds_per_call, **spec).scheduler.engine
   times, rounds = [], 0
   for _ in range(args.repeats + 1):
-    j = engine.begin_join(prompt, slot=0, draft=DraftParams(n_max=0), max_new=args.new_tokens)
+    j = engine.begin_join(prompt, slot=0, draft=DraftParams(n_max=args.n_max if spec else 0), max_new=args.new_tokens)
     while not engine.prefill([j]):                               # the prompt's pieces into slot 0
       pass
     engine.first_tokens()
@@ -92,7 +133,7 @@ def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -
       rounds += engine.step(rounds_per_call).rounds
     times.append((time.perf_counter() - t0) / max(rounds, 1))
     engine.finish([0])
-  return 1e3 * statistics.median(times[1:]), rounds
+  return 1e3 * statistics.median(times[1:]), rounds, args.new_tokens / max(rounds, 1)
 
 
 def main(argv=None) -> int:
@@ -107,25 +148,30 @@ def main(argv=None) -> int:
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 target (CPU dry run)")
   ap.add_argument("--random-shape", action="store_true",
                   help="SmolLM2-135M's shapes with random weights in --dtype (no weights needed)")
+  ap.add_argument("--speculator", default=None, help="a registry name (default: plain decoding)")
+  ap.add_argument("--n-max", type=int, default=3, help="the speculator's draft length (every round drafts it)")
+  ap.add_argument("--head", default=None, help="the speculator's head file (random MTP head with --tiny / --random-shape)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
   target, prompt = load_target(args)
-  rows = [{"what": "engine decode step", "slots": None, "rounds_per_call": None,
-           "ms": round(engine_ms_per_step(target, prompt, args), 4)}]
+  ms, rate = engine_ms_per_step(target, prompt, args)
+  rows = [{"what": "engine round" if args.speculator else "engine decode step", "slots": None, "rounds_per_call": None,
+           "ms": round(ms, 4), "tokens_per_round": round(rate, 3)}]
   print(json.dumps(rows[-1]), flush=True)
   for slots in args.slots:
     for rpc in args.rounds_per_call:
-      ms, rounds = serve_ms_per_round(target, prompt, args, slots, rpc)
+      ms, rounds, rate = serve_ms_per_round(target, prompt, args, slots, rpc)
       rows.append({"what": "serve round", "slots": slots, "rounds_per_call": rpc, "ms": round(ms, 4),
-                   "rounds": rounds, "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None})
+                   "rounds": rounds, "tokens_per_round": round(rate, 3), "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None})
       print(json.dumps(rows[-1]), flush=True)
   out = {"experiment": "serve_round_cost", "config": {k: v for k, v in vars(args).items() if k != "out"},
          "git_revision": git_revision(), "device": device_info(), "prompt_tokens": len(prompt), "rows": rows}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-  print(f"{'what':20s} {'slots':>5s} {'rounds/call':>11s} {'ms':>8s}")
+  print(f"{args.speculator or 'plain'}: {'what':20s} {'slots':>5s} {'rounds/call':>11s} {'ms':>8s} {'tokens/round':>12s}")
   for r in rows:
-    print(f"{r['what']:20s} {r['slots'] or '-':>5} {r['rounds_per_call'] or '-':>11} {r['ms']:8.3f}")
+    print(f"{r['what']:20s} {r['slots'] or '-':>5} {r['rounds_per_call'] or '-':>11} {r['ms']:8.3f} "
+          f"{r['tokens_per_round']:12.2f}")
   return 0
 
 
