@@ -95,6 +95,9 @@ def test_bench_serve_clients_in_processes(tmp_path):
     parts = r["model_thread_s"]
     assert set(parts) == {"rounds", "prefill", "host"} and parts["rounds"] > 0
     assert sum(parts.values()) <= r["seconds"] + 1.0      # the thread's iterations straddle the level's edges
+    step = r["step_s"]                                    # the calls of rounds by part: within their whole
+    assert {"call", "fetch", "step"} <= set(step) and step["call"] > 0, step
+    assert step["call"] + step["fetch"] <= step["step"] + 2e-3 and step["step"] <= parts["rounds"] + 2e-3, (step, parts)
   saved = json.loads((tmp_path / "b.json").read_text())
   assert saved["rows"][1]["concurrency"] == 3
   warm = saved["warm_up"]["plain"]               # where the server's warm-up went, by phase

@@ -1,6 +1,7 @@
 """experiments/serve_round_cost.py --tiny: the GPU script's dry run on the CPU.
 
-A tiny float32 target: the engine's decode step timed at two lengths, and a one-request serving
+A tiny float32 target: the engine's decode step timed at two lengths (24 and 48 tokens: long enough
+that the difference of their times is not lost in a busy machine's noise), and a one-request serving
 round on 1 and 4 slots at 1 and 8 rounds per call. Checked: every row present with a positive ms,
 each serving row ran as many rounds as the request had tokens to make (one token per plain round,
 the first coming from the prefill), and the JSON names its configuration.
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_serve_round_cost_has_every_row(tmp_path):
   out = tmp_path / "serve_round_cost.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
-  r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "16",
+  r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "48",
                       "--capacity", "128", "--slots", "1", "4", "--rounds-per-call", "1", "8", "--repeats", "3",
                       "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
@@ -29,5 +30,22 @@ def test_tiny_serve_round_cost_has_every_row(tmp_path):
   assert rows[0]["what"] == "engine decode step" and rows[0]["ms"] > 0
   serve = {(x["slots"], x["rounds_per_call"]): x for x in rows[1:]}
   assert set(serve) == {(1, 1), (1, 8), (4, 1), (4, 8)}
-  assert all(x["ms"] > 0 and x["rounds"] == 15 and x["ratio_to_engine"] > 0 for x in serve.values())
+  assert all(x["ms"] > 0 and x["rounds"] == 47 and x["ratio_to_engine"] > 0 for x in serve.values())
   assert res["config"]["capacity"] == 128 and res["git_revision"] == "test"
+
+
+def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
+  """--speculator mtp (a random head): the engine's and the server's rounds are timed, and each row
+  says how many tokens a round made (at least the one the target always emits, at most n_max + 1)."""
+  out = tmp_path / "serve_round_cost_mtp.json"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
+  r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "48",
+                      "--capacity", "128", "--slots", "1", "--rounds-per-call", "4", "--repeats", "1",
+                      "--speculator", "mtp", "--n-max", "2", "--out", str(out)],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-4000:]
+  res = json.loads(out.read_text())
+  engine, serve = res["rows"]
+  assert engine["what"] == "engine round" and serve["what"] == "serve round" and serve["ms"] > 0
+  assert 1.0 <= engine["tokens_per_round"] <= 3.0 and 1.0 <= serve["tokens_per_round"] <= 3.0
+  assert serve["rounds"] <= 47 and res["config"]["speculator"] == "mtp"

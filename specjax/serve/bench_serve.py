@@ -164,11 +164,12 @@ def summarize(samples: list[Sample], wall: float) -> dict:
 
 
 _COUNT_LINE = re.compile(r'^specjax_(rounds_at_width|rounds_at_batch|device_calls|prefill_calls|prefill_rows|compiles|'
-                         r'compile_seconds|model_thread_seconds)_total(?:\{\w+="(\w+)"\})? (\S+)$', re.M)
+                         r'compile_seconds|model_thread_seconds|step_seconds)_total(?:\{\w+="(\w+)"\})? (\S+)$', re.M)
 _COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds_by_batch", "device_calls": "device_calls",
                 "prefill_calls": "prefill_calls", "prefill_rows": "prefill_rows",
-                "compiles": "compiles", "compile_seconds": "compile_s", "model_thread_seconds": "model_thread_s"}
-_SECONDS = ("compile_seconds", "model_thread_seconds")
+                "compiles": "compiles", "compile_seconds": "compile_s", "model_thread_seconds": "model_thread_s",
+                "step_seconds": "step_s"}
+_SECONDS = ("compile_seconds", "model_thread_seconds", "step_seconds")
 
 
 _ADAPTIVE_LINE = re.compile(r'^specjax_adaptive_(round_ms|tau)\{(.*?)\} (\S+)$', re.M)
@@ -192,7 +193,8 @@ async def server_counts(client) -> dict[str, dict[str, float]]:
   bucket ("rounds_by_batch"), its device calls ("device_calls": {"": n}), its prefill calls and the
   prompt pieces they took ("prefill_calls", "prefill_rows"), XLA compilations
   ("compiles", "compile_s": their seconds) and its model thread's seconds by part ("model_thread_s":
-  rounds, prefill, host), and an adaptive controller's state ("adaptive", `adaptive_state`), from its
+  rounds, prefill, host), the calls of rounds' seconds by part ("step_s": call, fetch, observe, step;
+  `SlotEngine.take_step_seconds`), and an adaptive controller's state ("adaptive", `adaptive_state`), from its
   /metrics ({} without them)."""
   r = await client.get("/metrics")
   out: dict[str, dict[str, float]] = {}
@@ -307,6 +309,7 @@ async def _measure(url: str, cfg: BenchServeConfig, method, on_row, pool=None) -
         row[key] = row.get(key, {}).get("", 0)
       row["compile_s"] = round(row["compile_s"], 3)
       row["model_thread_s"] = {k: round(v, 3) for k, v in row.get("model_thread_s", {}).items()}
+      row["step_s"] = {k: round(v, 3) for k, v in row.get("step_s", {}).items()}
       if adaptive:
         row["adaptive"] = adaptive
       rows.append(row)

@@ -175,6 +175,7 @@ class SlotEngine:
                "p_min": np.zeros((b,), np.float32)}
     self.max_new = np.ones((b,), np.int32)
     self.live = np.zeros((b,), bool)   # host copy of ~done for the slots (buckets and adaptive drafting read it)
+    self.step_seconds: dict[str, float] = {}    # `step`'s time by part since `take_step_seconds`
     self._dev = None      # device copies of the per-slot parameters (rebuilt when they change)
     self._joined = []     # ([(slot, row)], first tokens, done) of prefill calls since `first_tokens`
 
@@ -390,6 +391,7 @@ class SlotEngine:
     """Up to `rounds` rounds (at most `rounds_max`) over the live slots in one device call, ending
     early once every slot is done: at the drafter's width, or at the width and draft lengths the
     adaptive controller plans from the live slots (one plan for the call's rounds)."""
+    t_start = time.perf_counter()
     rows = self.bucket_rows()
     rounds = max(1, min(int(rounds), self.rounds_max))
     if self.control is None:
@@ -402,10 +404,24 @@ class SlotEngine:
       t0 = time.perf_counter()
       out = self._run(plan.width, plan.lengths, rows, plan.rounds)
       ms = self._round_ms((time.perf_counter() - t0) * 1e3, out.rounds)
+      t_obs = time.perf_counter()
       for r in range(out.rounds):
         self.control.observe(plan, out.width, out.drafted[r], out.accepted[r], out.emitted[r] > 0, ms,
                              self.state.history, self.state.hist_len, bucket=bucket, ranks=out.ranks[r])
+      self._add_seconds("observe", time.perf_counter() - t_obs)
     self.live &= ~out.done
+    self._add_seconds("step", time.perf_counter() - t_start)
+    return out
+
+  def _add_seconds(self, part: str, seconds: float) -> None:
+    self.step_seconds[part] = self.step_seconds.get(part, 0.0) + seconds
+
+  def take_step_seconds(self) -> dict[str, float]:
+    """Seconds spent in `step` since the last take, by part: "call" (the jitted call of rounds until
+    it returns), "fetch" (its outputs to the host), "observe" (the adaptive controller's updates)
+    and "step" (all of `step`; the rest of it is planning, gathering rows, host drafting and
+    assembling the outputs)."""
+    out, self.step_seconds = self.step_seconds, {}
     return out
 
   def _run(self, width: int | None, lengths: np.ndarray, rows, rounds: int) -> RoundOut:
@@ -428,8 +444,12 @@ class SlotEngine:
   def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
     """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
     args, kw = self._round_args(spec, inputs, draft, rows, rounds)
+    t0 = time.perf_counter()
     self.state, self.dstate, new, counts, done, ran, ranks = programs.run_rounds(*args, **kw)
+    t1 = time.perf_counter()
     new, counts, done, ran, ranks = jax.device_get((new, counts, done, ran, ranks))
+    self._add_seconds("call", t1 - t0)
+    self._add_seconds("fetch", time.perf_counter() - t1)
     counts, ranks = counts[:, :int(ran)], ranks[:int(ran)]
     if rows is None:
       return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b, ranks=ranks)

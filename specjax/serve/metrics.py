@@ -66,6 +66,10 @@ class ServeMetrics:
     self.thread_seconds = Counter("specjax_model_thread_seconds",
                                   "the model thread's wall time by part: rounds (calls of rounds, waited for), "
                                   "prefill (prefill calls dispatched, admissions), host (the rest)", ["part"], registry=r)
+    self.step_seconds = Counter("specjax_step_seconds",
+                                "the calls of rounds by part: call (the jitted call until it returns), fetch (its "
+                                "outputs to the host), observe (adaptive controller updates), step (all of it)",
+                                ["part"], registry=r)
     self.adaptive_ms = Gauge("specjax_adaptive_round_ms",
                              "the adaptive controller's running cost of a round (ms) by batch bucket and width",
                              ["bucket", "width"], registry=r)
@@ -153,6 +157,11 @@ class ServeMetrics:
     """One scheduler iteration's wall time by part."""
     for part, s in (("rounds", rounds), ("prefill", prefill), ("host", host)):
       self.thread_seconds.labels(part=part).inc(s)
+
+  def step_time(self, parts: dict[str, float]) -> None:
+    """Seconds of calls of rounds by part (`SlotEngine.take_step_seconds`)."""
+    for part, s in parts.items():
+      self.step_seconds.labels(part=part).inc(s)
 
   def first_token(self, seconds: float) -> None:
     self.ttft.observe(seconds)

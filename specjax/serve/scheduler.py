@@ -192,6 +192,7 @@ class Scheduler:
     """Compile every program serving can call (`SlotEngine.warm`), prefill calls up to the most
     work this scheduler gives one: its budget per round times the most rounds of a call."""
     self.engine.warm(self.prefill_budget * self.engine.rounds_max)
+    self.engine.take_step_seconds()          # the warm-up's calls are not serving's
 
   # --- called from request handlers (any thread) ------------------------------------------------
 
@@ -275,6 +276,7 @@ class Scheduler:
       self.metrics.set_load(len(self._waiting), self.running())
       prefill = t0 - t_admit
       self.metrics.thread_time(seconds, prefill, time.perf_counter() - t_start - seconds - prefill)
+      self.metrics.step_time(self.engine.take_step_seconds())
 
   def _next_rounds(self) -> int:
     """One round while requests are joining (their next prefill calls run between calls of rounds);
