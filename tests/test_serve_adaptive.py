@@ -108,12 +108,18 @@ def test_adaptive_drops_a_drafter_that_never_lands(offline_tiny):
   try:
     out = _all_at_once(url, [None] * len(ADAPTIVE_PROMPTS))
     calls = _metric(url, "specjax_device_calls_total")
+    metrics_text = httpx.get(f"{url}/metrics").text
   finally:
     http.should_exit = True
   for body, want in zip(out, offline_tiny):
     assert body["choices"][0]["token_ids"] == want
   widths = engine.control.rounds_by_width
   assert widths[0] >= 0.75 * sum(widths.values()) and calls < sum(widths.values()), (widths, calls)
+  # why calls ran fewer rounds than the scheduler asked: counted per rule, on /metrics for bench-serve
+  # (6 requests on 4 slots: each join leaves a fresh slot, whose first rounds cut the calls)
+  cuts = engine.control.calls_cut
+  assert adaptive_state(metrics_text)["calls_cut"] == cuts and set(cuts) <= {"fresh", "explore", "probe"}
+  assert cuts.get("fresh", 0) > 0 and sum(cuts.values()) <= calls, (cuts, calls)
   for body in out:
     u = body["usage"]["speculative"]
     assert u["draft_tokens"] <= 2 * 8 and u["accepted_tokens"] <= u["draft_tokens"] // 2, u

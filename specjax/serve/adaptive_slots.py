@@ -151,6 +151,7 @@ class SlotWidthController(RoundCosts):
     self.tau = np.ones((len(self.widths), slots))                          # [W, B] replayed
     self._replay_state = None
     self._joined, self._join_len = np.zeros(slots, bool), np.zeros(slots, np.int32)
+    self.calls_cut: dict[str, int] = {}       # plans that ran fewer rounds than asked, by the rule that cut them
 
   def join(self, slot: int, hist_len: int) -> None:
     """A new request in `slot` (its history `hist_len` tokens long): its estimates restart."""
@@ -169,13 +170,13 @@ class SlotWidthController(RoundCosts):
     the calls), nor past the start or end of an exploring stretch. n_max [B] each slot's request
     limit (0: speculation off), n_min [B], live [B] bool."""
     if not self.replayed:
-      rounds = self._rounds_observed(rounds, live)
+      rounds = self._cut("fresh", rounds, self._rounds_observed(rounds, live))
     n_max = np.where(live, n_max, 0)
     period = self.ac.explore_every * self.ac.segment_rounds
     at = self.round % period
     exploring = not self.replayed and at < self.ac.explore_rounds
     if not self.replayed:        # a call ends where an exploring stretch starts or ends
-      rounds = min(rounds, self.ac.explore_rounds - at if exploring else period - at)
+      rounds = self._cut("explore", rounds, min(rounds, self.ac.explore_rounds - at if exploring else period - at))
     costs = self.plan_costs(bucket, rounds)
     if self.replayed:
       width = self.widths[self._best_replayed(n_max, live, costs)]
@@ -186,13 +187,20 @@ class SlotWidthController(RoundCosts):
       caps = adapt.longest_useful(self.acceptance.alpha, n_max, self.ac.reach_min)       # [B]
       wi = adapt.choose_width_np(self.rates.optimistic(self.ac.optimism), caps, live, self.widths, costs)
       if wi != adapt.choose_width_np(self.rates.rates, caps, live, self.widths, costs):
-        rounds = 1              # a probe (the width wins on optimism about rarely seen positions): one round
+        rounds = self._cut("probe", rounds, 1)   # a probe (the width wins on optimism about rarely seen positions)
       asked = np.minimum(self.widths[wi], caps)
     width = self._holding(int(asked.max(initial=0)))
     lengths = np.minimum(n_max, width) if self.device_drafter else asked
     lengths = np.where(lengths < n_min, 0, lengths).astype(np.int32)      # shorter drafts would not be verified
     self.round += rounds
     return RoundPlan(width=width if lengths.any() else 0, lengths=lengths, rounds=rounds)
+
+  def _cut(self, rule: str, rounds: int, allowed: int) -> int:
+    """`allowed` rounds, counted under `rule` in `calls_cut` when fewer than `rounds` (each of a
+    call's cuts counts once)."""
+    if allowed < rounds:
+      self.calls_cut[rule] = self.calls_cut.get(rule, 0) + 1
+    return allowed
 
   def _best_replayed(self, n_max, live, costs) -> int:
     """Index of the width with the most replayed tokens per ms over the live slots; a slot drafts
@@ -259,4 +267,5 @@ class SlotWidthController(RoundCosts):
       out["replayed_tau"] = [round(float(t), 4) for t in np.mean(self.tau, axis=1)]
     else:
       out["acceptance_by_position"] = [round(float(p), 4) for p in self.rates.rates]
+    out["calls_cut"] = dict(self.calls_cut)
     return out

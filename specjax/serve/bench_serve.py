@@ -172,17 +172,20 @@ _COUNT_NAMES = {"rounds_at_width": "rounds_by_width", "rounds_at_batch": "rounds
 _SECONDS = ("compile_seconds", "model_thread_seconds", "step_seconds")
 
 
-_ADAPTIVE_LINE = re.compile(r'^specjax_adaptive_(round_ms|tau)\{(.*?)\} (\S+)$', re.M)
+_ADAPTIVE_LINE = re.compile(r'^specjax_adaptive_(round_ms|tau|calls_cut)\{(.*?)\} (\S+)$', re.M)
 
 
 def adaptive_state(text: str) -> dict:
   """The adaptive controller's gauges in a /metrics text: {"round_ms": {bucket: {width: ms}},
-  "tau": {width: tokens per round}} ({} without an adaptive controller)."""
+  "tau": {width: tokens per round}, "calls_cut": {rule: calls since the server started}} ({} without
+  an adaptive controller)."""
   out: dict = {}
   for name, labels, value in _ADAPTIVE_LINE.findall(text):
     lab = dict(re.findall(r'(\w+)="(\w+)"', labels))
     if name == "round_ms":
       out.setdefault("round_ms", {}).setdefault(lab["bucket"], {})[lab["width"]] = round(float(value), 4)
+    elif name == "calls_cut":
+      out.setdefault("calls_cut", {})[lab["rule"]] = int(float(value))
     else:
       out.setdefault("tau", {})[lab["width"]] = round(float(value), 4)
   return out

@@ -75,6 +75,9 @@ class ServeMetrics:
                              ["bucket", "width"], registry=r)
     self.adaptive_tau = Gauge("specjax_adaptive_tau", "the adaptive controller's expected tokens per slot-round by "
                               "width (replayed or tallied; absent for position-rate controllers)", ["width"], registry=r)
+    self.adaptive_cuts = Gauge("specjax_adaptive_calls_cut", "calls the adaptive controller planned shorter than the "
+                               "scheduler asked, by the rule that cut them (fresh slots, an exploring stretch's "
+                               "edge, a one-round probe), since the server started", ["rule"], registry=r)
     self.slot_rounds = Counter("specjax_slot_rounds", "rounds summed over live slots", registry=r)
     self.drafted = Counter("specjax_draft_tokens", "draft tokens verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "draft tokens accepted", registry=r)
@@ -152,6 +155,8 @@ class ServeMetrics:
     tau = record.get("replayed_tau", record.get("tau_by_budget"))
     for w, t in zip(widths, tau or ()):
       self.adaptive_tau.labels(width=str(w)).set(t)
+    for rule, n in record.get("calls_cut", {}).items():
+      self.adaptive_cuts.labels(rule=rule).set(n)
 
   def thread_time(self, rounds: float, prefill: float, host: float) -> None:
     """One scheduler iteration's wall time by part."""
