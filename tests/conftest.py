@@ -21,23 +21,6 @@ os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 
 import tempfile  # noqa: E402
 
-# XLA's CPU backend compiles the suite's programs with LLVM's optimizations off: the suite's time is
-# mostly compilation of tiny programs whose run time hardly matters (about a fifth less CPU time),
-# and the HLO passes, which decide fusion and reduction order, are the same. Subprocesses that set
-# their own XLA_FLAGS add these with `xla_flags`. SPECJAX_TEST_FAST_COMPILE=0 turns it off.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if os.environ.get("SPECJAX_TEST_FAST_COMPILE", "1") == "1" and \
-    "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
-
-
-def xla_flags(*flags: str) -> str:
-  """XLA_FLAGS for a test subprocess: `flags` plus this run's compile flags (FAST_COMPILE_FLAGS unless
-  turned off)."""
-  own = FAST_COMPILE_FLAGS if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else ""
-  return " ".join(f for f in (*flags, own) if f)
-
-
 import jax  # noqa: E402
 
 # One persistent compilation cache for the whole test run, in a temporary folder that the pytest

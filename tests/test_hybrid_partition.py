@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = """
@@ -49,7 +47,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_hybrid_forward_on_the_model_axis_equals_one_device_and_permutes_nothing():
-  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "PYTHONPATH": str(ROOT)}
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(ROOT)}
   proc = subprocess.run([sys.executable, "-c", WORKER], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
   assert line is not None, proc.stderr[-3000:]

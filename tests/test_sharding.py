@@ -44,8 +44,6 @@ from specjax.parallel import partition
 from specjax.parallel.distributed import settings_from_env
 from specjax.parallel.mesh import parse_mesh
 
-from conftest import xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharding_worker.py"
 MESHES = ["data=1,model=2", "data=2,model=2", "data=2,model=4"]
@@ -55,7 +53,7 @@ FULL = os.environ.get("SPECJAX_SHARDING_FULL") == "1"
 
 def _worker(*args, env=None, timeout=1800) -> list[dict]:
   """Run tests/sharding_worker.py with 8 CPU devices; its JSON lines."""
-  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu",
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
          "SPECJAX_COMPILE_CACHE": "0", **(env or {})}
   r = subprocess.run([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=timeout)
@@ -324,7 +322,7 @@ def test_two_processes_give_the_one_process_tokens():
   the model axis across them; process 0's tokens equal one process's with both devices."""
   names = "plain,suffix"   # the device loop and a host drafter's loop
   env = {"SPECJAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}", "SPECJAX_NUM_PROCESSES": "2",
-         "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=1"), "JAX_PLATFORMS": "cpu"}
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
   procs = [subprocess.Popen([sys.executable, str(WORKER), "dist", "data=1,model=2", names], cwd=ROOT,
                             env={**os.environ, **env, "SPECJAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for i in range(2)]
