@@ -133,7 +133,7 @@ def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -
       rounds += engine.step(rounds_per_call).rounds
     times.append((time.perf_counter() - t0) / max(rounds, 1))
     engine.finish([0])
-  return 1e3 * statistics.median(times[1:]), rounds, args.new_tokens / max(rounds, 1)
+  return 1e3 * statistics.median(times[1:]), rounds, (args.new_tokens - 1) / max(rounds, 1)   # the first token is the prefill's
 
 
 def main(argv=None) -> int:
