@@ -89,7 +89,8 @@ def speculator_args(target, args) -> dict:
 
 def engine_ms_per_step(target, prompt, args) -> tuple[float, float]:
   """(ms per round, tokens per round): median over repeats of (t(N) - t(N/2)) / (rounds(N) -
-  rounds(N/2)) for the engine at batch 1 (a plain round is one step)."""
+  rounds(N/2)) for the engine at batch 1 (a plain round is one step), and of (N - 1) / rounds(N): the
+  tokens a round emits over the whole request, the first token being the prefill's."""
   lengths = (args.new_tokens // 2, args.new_tokens)
   spec = speculator_args(target, args)
   if spec:
@@ -103,14 +104,14 @@ def engine_ms_per_step(target, prompt, args) -> tuple[float, float]:
   else:
     def run(n):
       out = generate_plain(target.params, target.cfg, [prompt], max_new_tokens=n, capacity=args.capacity)
-      return out.seconds, n, n
+      return out.seconds, n - 1, n                              # the first token is the prefill's
   for n in lengths:
     run(n)                                                      # compilation
   diffs, rates = [], []
   for _ in range(args.repeats):
     (t0, r0, n0), (t1, r1, n1) = run(lengths[0]), run(lengths[1])
     diffs.append((t1 - t0) / max(r1 - r0, 1))
-    rates.append((n1 - n0) / max(r1 - r0, 1))
+    rates.append((n1 - 1) / max(r1, 1))      # the whole request, as the server rows count it (prefill's token out)
   return 1e3 * statistics.median(diffs), statistics.median(rates)
 
 

@@ -36,7 +36,9 @@ def test_tiny_serve_round_cost_has_every_row(tmp_path):
 
 def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
   """--speculator mtp (a random head): the engine's and the server's rounds are timed, and each row
-  says how many tokens a round made (at least the one the target always emits, at most n_max + 1)."""
+  says how many tokens a round made (at least the one the target always emits, at most n_max + 1),
+  counted over the whole request alike: the same drafter on the same prompt, greedy, drafts and
+  accepts the same tokens in both, so the two rows' tokens per round are equal."""
   out = tmp_path / "serve_round_cost_mtp.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
   r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "48",
@@ -48,4 +50,5 @@ def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
   engine, serve = res["rows"]
   assert engine["what"] == "engine round" and serve["what"] == "serve round" and serve["ms"] > 0
   assert 1.0 <= engine["tokens_per_round"] <= 3.0 and 1.0 <= serve["tokens_per_round"] <= 3.0
+  assert abs(engine["tokens_per_round"] - serve["tokens_per_round"]) < 1e-3
   assert serve["rounds"] <= 47 and res["config"]["speculator"] == "mtp"
