@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain it.
 
-.PHONY: setup setup-test demo test
+.PHONY: setup setup-test demo test test-all
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: setup
 
 # Tests run in 2 processes (pytest-xdist; a file stays in one process, so its module fixtures are
 # built once): compilation is single-threaded, so two files compile at once on a 2-core machine.
+# `make test` is the CI tier (the tests not marked slow, under 25 minutes on 2 cores); `make test-all`
+# adds the slow tier (tests/tiers.py says what each slow test alone covers).
+TEST_RUN = SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} \
+	$(BIN)/python -m pytest -q -n $${SPECJAX_TEST_WORKERS:-2} --dist loadfile --durations=15
+
 test: setup-test
 	$(BIN)/specjax fetch smollm2-135m-instruct mt_bench humaneval sharegpt
-	SPECJAX_TOKENIZER_TEST_MODELS=$${SPECJAX_TOKENIZER_TEST_MODELS:-smollm2-135m-instruct} $(BIN)/python -m pytest -q -n $${SPECJAX_TEST_WORKERS:-2} --dist loadfile --durations=15 tests
+	$(TEST_RUN) -m "not slow" tests
+
+test-all: setup-test
+	$(BIN)/specjax fetch smollm2-135m-instruct mt_bench humaneval sharegpt
+	$(TEST_RUN) tests

@@ -45,6 +45,15 @@ from specjax.models.config import ModelConfig
 from specjax.models.decoder import forward
 
 
+def pytest_collection_modifyitems(config, items):
+  """Tests of the slow tier (tests/tiers.py) get the `slow` mark: `make test` deselects them."""
+  sys.path.insert(0, os.path.dirname(__file__))
+  from tiers import slow_reason
+  for item in items:
+    if slow_reason(item.nodeid) is not None:
+      item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
   """The run's compilation cache goes with the process that made it (the controller under xdist)."""
   if os.environ.get("SPECJAX_TEST_CACHE_OWNER") == str(os.getpid()):

@@ -1,0 +1,79 @@
+"""The suite's two tiers. `make test` (CI, a 2-core machine, under 25 minutes) runs the tests not
+marked `slow`; `make test-all` runs every test. A test is slow-tier when the property it checks is
+also checked in the CI tier on a cheaper member of the same sweep, or when it is the CPU dry run of a
+GPU experiment script or a long end-to-end run of a user tool; each entry says which CI-tier test
+covers it or what it alone runs. Keys: a test file, `file::test` (every parametrization) or
+`file::test[id]`. conftest.py marks the collected tests (`pytest -m slow` runs only these).
+"""
+
+from __future__ import annotations
+
+SLOW: dict[str, str] = {
+  # the GPU experiment scripts' CPU dry runs: the modules they drive are tested on their own
+  "test_sharded_round_cost.py": "experiments/sharded_round_cost.py's dry run",
+  "test_serve_round_cost.py": "experiments/serve_round_cost.py's dry run",
+  "test_serve_call_cost.py": "experiments/serve_call_cost.py's dry run",
+  "test_decode_flags.py::test_tiny_dry_run_writes_kernels_and_timings": "experiments/decode_flags dry run",
+  "test_decode_flags.py::test_two_row_products_change_no_value": "an off-by-default decode flag",
+  # sweeps whose every property a CI-tier test checks on a cheaper member
+  "test_sharding.py::test_every_speculator_is_lossless_on_a_data_and_model_mesh": "registry on a mesh; CI: greedy on a mesh, sampled law on a mesh, every speculator on one device",
+  "test_sharding.py::test_two_processes_give_the_one_process_tokens": "two jax.distributed processes",
+  "test_sharding.py::test_greedy_output_is_the_one_device_output_on_every_mesh[3]": "a third mesh shape",
+  "test_sharding.py::test_smollm2_shards_over_model_2_padded_with_the_one_device_tokens": "CI: padded kv heads on the tiny target",
+  "test_sharding.py::test_heads_split_over_the_model_axis_keep_the_one_device_output": "head placement on a mesh",
+  "test_partition_layout.py": "model-axis layout of every arch; CI: sharding tests",
+  "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead[suffix]": "CI: the adaptive tree's warm-up",
+  "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead[mtp]": "CI: the adaptive tree's warm-up",
+  "test_serve.py::test_buckets_and_multi_round_calls_stay_lossless[ngram_host-together-None]": "CI: mtp and plain",
+  "test_serve.py::test_buckets_and_multi_round_calls_stay_lossless[ngram_simple-reversed-None]": "CI: mtp and plain",
+  "test_hybrid.py::test_api_and_cli_take_the_rollback_mode": "API / CLI plumbing of the rollback switch",
+  "test_hybrid.py::test_greedy_speculation_is_lossless[redecode-draft-1]": "CI: the other rollback / drafter pairs",
+  "test_batch_invariant.py::test_speculative_greedy_equals_plain_greedy_in_bf16[mtp]": "CI: ngram_simple (chain) and eagle3_tree",
+  "test_adaptive_tree.py::test_greedy_is_lossless_and_budgets_follow_acceptance[draft_tree]": "CI: eagle3_tree and dflash_tree",
+  "test_adaptive_tree.py::test_warm_run_times_every_budget_per_drafter": "CI: test_adaptive's warm run",
+  "test_adaptive.py::test_warm_run_replaces_the_calibration_by_timed_rounds": "CI: the warm run compiles every width",
+  "test_adaptive.py::test_adaptive_greedy_is_lossless[flat]": "CI: [mild]",
+  "test_serve_adaptive.py::test_adaptive_drops_a_drafter_that_never_lands": "CI: the tree that never lands is dropped",
+  "test_head_eval.py::test_eval_eagle3_chains_and_tree_through_the_harness": "CI: the MTP eval through the harness",
+  "test_builtin_mtp.py::test_speculative_greedy_equals_plain_greedy[redecode]": "CI: [per_step]",
+  "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[chain]": "CI: [tree] and chain batch 1",
+  "test_tree.py::test_greedy_tree_speculation_is_lossless[batch1]": "CI: [batch3_ragged]",
+  "test_dflash_reference.py::test_a_reference_folder_loads_drafts_as_zlab_and_losslessly": "CI: export then reference load",
+  "test_eagle3_reference.py::test_a_reference_folder_loads_and_drafts_losslessly": "CI: export then reference load",
+  "test_mtp_reference.py::test_a_reference_folder_loads_and_drafts_losslessly": "CI: export then reference load",
+  "test_dflash_train.py::test_warm_start_into_a_deeper_drafter_computes_the_same_blocks": "warm start into a deeper drafter",
+  # end to end runs of user tools, each long
+  "test_notebooks.py::test_notebook_runs[training_a_small_head]": "CI: the committed-executed checks; training in test_train*",
+  "test_bench_resume.py": "killed bench runs resume",
+  "test_bench.py::test_tiny_run_numbers_match_the_engine": "CI: the adaptive bench run",
+  "test_speculator_registry.py::test_plugin_is_lossless_and_drafts_from_its_corpus": "CI: the plugin in test_registry_laws",
+  "test_data_magpie.py::test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed": "Magpie sampling",
+  "test_user_errors.py::test_unwritable_compile_cache_runs_uncached": "an unwritable cache folder",
+}
+SLOW.update({
+  "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead": "CI: test_no_compilation_after_warm_up",
+  "test_serve_prefill.py::test_requests_arriving_together_prefill_in_one_call[mtp]": "CI: [None]",
+  "test_serve_prefill.py::test_one_pass_prompt_near_a_capacity_off_the_64_grid": "a prompt near the capacity",
+  "test_serve.py::test_cancel_within_one_call": "CI: cancel in test_load_cancel_malformed_then_healthy",
+  "test_hybrid.py::test_adaptive_drafting_on_the_hybrid_target_is_lossless": "CI: hybrid rollback, adaptive on attention targets",
+  "test_dflash_train.py::test_eval_rows_equal_plain_decoding_and_are_saved_row_by_row": "dflash eval rows",
+  "test_dflash_train.py::test_held_out_scoring_equals_the_loss_metrics": "dflash held-out scoring",
+  "test_chat_data.py::test_regenerated_turns_are_the_targets_greedy_answers": "regenerated chat data",
+  "test_user_errors.py::test_context_checks_on_the_command_line": "CI: the API's context checks",
+  "test_batch_invariant.py::test_decoder_logits_decode_equal_chain_and_tree_verification[gemma3-f32]": "CI: [llama-bf16]",
+  "test_sharding.py::test_a_training_step_on_a_mesh_is_the_one_device_step": "training on a mesh",
+  "test_registry_laws.py::test_tree_node_budget_is_its_option_and_n_max_its_depth[eagle3_tree]": "CI: [dflash_tree]",
+  "test_registry_laws.py::test_tree_node_budget_is_its_option_and_n_max_its_depth[draft_tree]": "CI: [dflash_tree]",
+  "test_data_magpie.py::test_dataset_with_magpie_source_resumes_to_identical_shards": "Magpie shards resume",
+  "test_kvcache.py::test_ragged_batch_greedy_decodes_like_alone[tiny_gemma]": "CI: [tiny_llama]",
+})
+
+
+def slow_reason(nodeid: str) -> str | None:
+  """Why the test `nodeid` ("tests/file.py::test[id]") is in the slow tier, or None (CI tier)."""
+  path, _, name = nodeid.partition("::")
+  file = path.rsplit("/", 1)[-1]
+  for key in (f"{file}::{name}", f"{file}::{name.split('[')[0]}", file):
+    if key in SLOW:
+      return SLOW[key]
+  return None
