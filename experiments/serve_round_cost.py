@@ -22,6 +22,9 @@ adaptive: every round drafts K), each request asking for n_max K. Rows also give
 so the two rounds can be compared as work done, not only as time.
 
 Every configuration runs once untimed (compilation) and --repeats times timed (the median kept).
+--trace profiles one more request of every row (`jax.profiler`; on a GPU): the device's busy time,
+kernels and the gaps between them per round, and kernels by kind and name (`profile_decode_trace`),
+so the engine's and the server's rounds can be compared kernel by kernel (--trace-dir keeps the traces).
 The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 
   python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
@@ -34,9 +37,14 @@ The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
+import gzip
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,7 +95,7 @@ def speculator_args(target, args) -> dict:
   return {"speculator": args.speculator, "head": head, "n_max": args.n_max}
 
 
-def engine_ms_per_step(target, prompt, args) -> tuple[float, float]:
+def engine_ms_per_step(target, prompt, args) -> tuple[float, float, dict | None]:
   """(ms per round, tokens per round): median over repeats of (t(N) - t(N/2)) / (rounds(N) -
   rounds(N/2)) for the engine at batch 1 (a plain round is one step), and of (N - 1) / rounds(N): the
   tokens a round emits over the whole request, the first token being the prefill's."""
@@ -112,18 +120,21 @@ def engine_ms_per_step(target, prompt, args) -> tuple[float, float]:
     (t0, r0, n0), (t1, r1, n1) = run(lengths[0]), run(lengths[1])
     diffs.append((t1 - t0) / max(r1 - r0, 1))
     rates.append((n1 - 1) / max(r1, 1))      # the whole request, as the server rows count it (prefill's token out)
-  return 1e3 * statistics.median(diffs), statistics.median(rates)
+  profile = None
+  if args.trace:       # one more request of --new-tokens: its rounds include the prefill's share
+    profile = profile_rounds(lambda: Timed(*run(lengths[1])[:2]), args, "engine")
+  return 1e3 * statistics.median(diffs), statistics.median(rates), profile
 
 
-def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int, float]:
+def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int, float, dict | None]:
   """Median ms per round of `SlotEngine.step` for one request of --new-tokens, its rounds and its
-  tokens per round."""
+  tokens per round; with --trace also the profile of one more request (`profile_rounds`)."""
   buckets = [n for n in (1, 8, 32, 64) if n <= slots]
   spec = speculator_args(target, args)
   engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
                         rounds_per_call=rounds_per_call, **spec).scheduler.engine
-  times, rounds = [], 0
-  for _ in range(args.repeats + 1):
+
+  def one_request() -> Timed:
     j = engine.begin_join(prompt, slot=0, draft=DraftParams(n_max=args.n_max if spec else 0), max_new=args.new_tokens)
     while not engine.prefill([j]):                               # the prompt's pieces into slot 0
       pass
@@ -132,9 +143,52 @@ def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -
     t0, rounds = time.perf_counter(), 0
     while engine.live.any():
       rounds += engine.step(rounds_per_call).rounds
-    times.append((time.perf_counter() - t0) / max(rounds, 1))
+    seconds = time.perf_counter() - t0
     engine.finish([0])
-  return 1e3 * statistics.median(times[1:]), rounds, (args.new_tokens - 1) / max(rounds, 1)   # the first token is the prefill's
+    return Timed(seconds, rounds)
+
+  times, rounds = [], 0
+  for _ in range(args.repeats + 1):
+    r = one_request()
+    times.append(r.seconds / max(r.rounds, 1))
+    rounds = r.rounds
+  profile = profile_rounds(one_request, args, f"serve_s{slots}_r{rounds_per_call}") if args.trace else None
+  return 1e3 * statistics.median(times[1:]), rounds, (args.new_tokens - 1) / max(rounds, 1), profile   # the first token is the prefill's
+
+
+@dataclasses.dataclass
+class Timed:
+  seconds: float
+  rounds: int
+
+
+def profile_rounds(run, args, tag: str) -> dict:
+  """`run()` (a compiled request -> Timed) under the profiler: its device time per round (busy vs
+  wall, kernels and gaps per round, kernels by kind and the top ones; `profile_decode_trace.summarize`
+  with a round as its step). On a CPU backend the trace has no device events: only the wall time."""
+  from profile_decode_trace import device_events, summarize
+  result = {}
+
+  def traced():
+    result["run"] = run()
+    return result["run"]
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      traced()
+    files = sorted(glob.glob(str(Path(tmp) / "**" / "perfetto_trace.json.gz"), recursive=True))
+    events = []
+    if files:
+      with gzip.open(files[-1], "rt") as f:
+        events = device_events(json.load(f))
+    if args.trace_dir and files:
+      Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+      shutil.copy(files[-1], Path(args.trace_dir) / f"{tag}.json.gz")
+  r = result["run"]
+  if not events:
+    return {"rounds": r.rounds, "wall_ms_per_round": round(1e3 * r.seconds / max(r.rounds, 1), 4),
+            "device_events": 0}
+  summary = summarize(events, max(r.rounds, 1), r.seconds, top=args.trace_top)
+  return {"rounds": r.rounds, **{k.replace("_step", "_round"): v for k, v in summary.items() if k != "steps"}}
 
 
 def main(argv=None) -> int:
@@ -152,18 +206,23 @@ def main(argv=None) -> int:
   ap.add_argument("--speculator", default=None, help="a registry name (default: plain decoding)")
   ap.add_argument("--n-max", type=int, default=3, help="the speculator's draft length (every round drafts it)")
   ap.add_argument("--head", default=None, help="the speculator's head file (random MTP head with --tiny / --random-shape)")
+  ap.add_argument("--trace", action="store_true",
+                  help="profile one more request of each row: device busy time, kernels and gaps per round")
+  ap.add_argument("--trace-top", type=int, default=12, help="kernels by name kept per profile")
+  ap.add_argument("--trace-dir", default=None, help="keep each profile's perfetto trace here")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
   target, prompt = load_target(args)
-  ms, rate = engine_ms_per_step(target, prompt, args)
+  ms, rate, profile = engine_ms_per_step(target, prompt, args)
   rows = [{"what": "engine round" if args.speculator else "engine decode step", "slots": None, "rounds_per_call": None,
-           "ms": round(ms, 4), "tokens_per_round": round(rate, 3)}]
+           "ms": round(ms, 4), "tokens_per_round": round(rate, 3), **({"profile": profile} if profile else {})}]
   print(json.dumps(rows[-1]), flush=True)
   for slots in args.slots:
     for rpc in args.rounds_per_call:
-      ms, rounds, rate = serve_ms_per_round(target, prompt, args, slots, rpc)
+      ms, rounds, rate, profile = serve_ms_per_round(target, prompt, args, slots, rpc)
       rows.append({"what": "serve round", "slots": slots, "rounds_per_call": rpc, "ms": round(ms, 4),
-                   "rounds": rounds, "tokens_per_round": round(rate, 3), "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None})
+                   "rounds": rounds, "tokens_per_round": round(rate, 3), "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None,
+                   **({"profile": profile} if profile else {})})
       print(json.dumps(rows[-1]), flush=True)
   out = {"experiment": "serve_round_cost", "config": {k: v for k, v in vars(args).items() if k != "out"},
          "git_revision": git_revision(), "device": device_info(), "prompt_tokens": len(prompt), "rows": rows}
@@ -173,6 +232,12 @@ def main(argv=None) -> int:
   for r in rows:
     print(f"{r['what']:20s} {r['slots'] or '-':>5} {r['rounds_per_call'] or '-':>11} {r['ms']:8.3f} "
           f"{r['tokens_per_round']:12.2f}")
+  for r in rows:
+    p = r.get("profile")
+    if p and p.get("busy_ms_per_round") is not None:
+      print(f"[trace] {r['what']:20s} slots {r['slots'] or '-'} rounds/call {r['rounds_per_call'] or '-'}: wall "
+            f"{p['wall_ms_per_round']:.3f} ms, busy {p['busy_ms_per_round']:.3f} ms, {p['kernels_per_round']} kernels, "
+            f"gaps {p['gap_us']['sum_ms_per_round']:.3f} ms a round")
   return 0
 
 

@@ -43,7 +43,7 @@ def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
   r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "48",
                       "--capacity", "128", "--slots", "1", "--rounds-per-call", "4", "--repeats", "1",
-                      "--speculator", "mtp", "--n-max", "2", "--out", str(out)],
+                      "--speculator", "mtp", "--n-max", "2", "--trace", "--out", str(out)],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   res = json.loads(out.read_text())
@@ -52,3 +52,7 @@ def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
   assert 1.0 <= engine["tokens_per_round"] <= 3.0 and 1.0 <= serve["tokens_per_round"] <= 3.0
   assert abs(engine["tokens_per_round"] - serve["tokens_per_round"]) < 1e-3
   assert serve["rounds"] <= 47 and res["config"]["speculator"] == "mtp"
+  # --trace: each row's profiled request ran as many rounds as its timed ones (a CPU trace has no
+  # device events, so only the wall time per round is there)
+  assert serve["profile"]["rounds"] == serve["rounds"] and serve["profile"]["wall_ms_per_round"] > 0
+  assert engine["profile"]["rounds"] > 0 and engine["profile"]["wall_ms_per_round"] > 0
