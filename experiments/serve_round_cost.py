@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     if p and p.get("busy_ms_per_round") is not None:
       print(f"[trace] {r['what']:20s} slots {r['slots'] or '-'} rounds/call {r['rounds_per_call'] or '-'}: wall "
             f"{p['wall_ms_per_round']:.3f} ms, busy {p['busy_ms_per_round']:.3f} ms, {p['kernels_per_round']} kernels, "
-            f"gaps {p['gap_us']['sum_ms_per_round']:.3f} ms a round")
+            f"gaps {p['gap_us']['sum_ms_per_step']:.3f} ms a round")
   return 0
 
 
