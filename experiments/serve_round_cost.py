@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import gzip
 import json
 import shutil
 import statistics
@@ -98,7 +96,8 @@ def speculator_args(target, args) -> dict:
 def engine_ms_per_step(target, prompt, args) -> tuple[float, float, dict | None]:
   """(ms per round, tokens per round): median over repeats of (t(N) - t(N/2)) / (rounds(N) -
   rounds(N/2)) for the engine at batch 1 (a plain round is one step), and of (N - 1) / rounds(N): the
-  tokens a round emits over the whole request, the first token being the prefill's."""
+  tokens a round emits over the whole request, the first token being the prefill's; with --trace
+  also the profile of one more request (`profile_rounds`)."""
   lengths = (args.new_tokens // 2, args.new_tokens)
   spec = speculator_args(target, args)
   if spec:
@@ -166,29 +165,22 @@ def profile_rounds(run, args, tag: str) -> dict:
   """`run()` (a compiled request -> Timed) under the profiler: its device time per round (busy vs
   wall, kernels and gaps per round, kernels by kind and the top ones; `profile_decode_trace.summarize`
   with a round as its step). On a CPU backend the trace has no device events: only the wall time."""
-  from profile_decode_trace import device_events, summarize
+  from profile_decode_trace import summarize, traced_generation
   result = {}
 
   def traced():
     result["run"] = run()
     return result["run"]
   with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      traced()
-    files = sorted(glob.glob(str(Path(tmp) / "**" / "perfetto_trace.json.gz"), recursive=True))
-    events = []
-    if files:
-      with gzip.open(files[-1], "rt") as f:
-        events = device_events(json.load(f))
-    if args.trace_dir and files:
+    seconds, events, trace = traced_generation(traced, Path(tmp))
+    if args.trace_dir:
       Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-      shutil.copy(files[-1], Path(args.trace_dir) / f"{tag}.json.gz")
-  r = result["run"]
+      shutil.copy(trace, Path(args.trace_dir) / f"{tag}.json.gz")
+  rounds = result["run"].rounds
   if not events:
-    return {"rounds": r.rounds, "wall_ms_per_round": round(1e3 * r.seconds / max(r.rounds, 1), 4),
-            "device_events": 0}
-  summary = summarize(events, max(r.rounds, 1), r.seconds, top=args.trace_top)
-  return {"rounds": r.rounds, **{k.replace("_step", "_round"): v for k, v in summary.items() if k != "steps"}}
+    return {"rounds": rounds, "wall_ms_per_round": round(1e3 * seconds / max(rounds, 1), 4), "device_events": 0}
+  summary = summarize(events, max(rounds, 1), seconds, top=args.trace_top)
+  return {"rounds": rounds, **{k.replace("_step", "_round"): v for k, v in summary.items() if k != "steps"}}
 
 
 def main(argv=None) -> int:

@@ -47,7 +47,6 @@ from specjax.models.decoder import forward
 
 def pytest_collection_modifyitems(config, items):
   """Tests of the slow tier (tests/tiers.py) get the `slow` mark: `make test` deselects them."""
-  sys.path.insert(0, os.path.dirname(__file__))
   from tiers import slow_reason
   for item in items:
     if slow_reason(item.nodeid) is not None:

@@ -22,21 +22,19 @@ SLOW: dict[str, str] = {
   "test_sharding.py::test_smollm2_shards_over_model_2_padded_with_the_one_device_tokens": "CI: padded kv heads on the tiny target",
   "test_sharding.py::test_heads_split_over_the_model_axis_keep_the_one_device_output": "head placement on a mesh",
   "test_partition_layout.py": "model-axis layout of every arch; CI: sharding tests",
-  "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead[suffix]": "CI: the adaptive tree's warm-up",
-  "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead[mtp]": "CI: the adaptive tree's warm-up",
   "test_serve.py::test_buckets_and_multi_round_calls_stay_lossless[ngram_host-together-None]": "CI: mtp and plain",
   "test_serve.py::test_buckets_and_multi_round_calls_stay_lossless[ngram_simple-reversed-None]": "CI: mtp and plain",
   "test_hybrid.py::test_api_and_cli_take_the_rollback_mode": "API / CLI plumbing of the rollback switch",
   "test_hybrid.py::test_greedy_speculation_is_lossless[redecode-draft-1]": "CI: the other rollback / drafter pairs",
-  "test_batch_invariant.py::test_speculative_greedy_equals_plain_greedy_in_bf16[mtp]": "CI: ngram_simple (chain) and eagle3_tree",
-  "test_adaptive_tree.py::test_greedy_is_lossless_and_budgets_follow_acceptance[draft_tree]": "CI: eagle3_tree and dflash_tree",
+  "test_batch_invariant.py::test_speculative_greedy_equals_plain_greedy_in_bf16[mtp]": "CI: [eagle3_tree]",
+  "test_adaptive_tree.py::test_greedy_is_lossless_and_budgets_follow_acceptance[draft_tree]": "CI: [dflash_tree]",
   "test_adaptive_tree.py::test_warm_run_times_every_budget_per_drafter": "CI: test_adaptive's warm run",
   "test_adaptive.py::test_warm_run_replaces_the_calibration_by_timed_rounds": "CI: the warm run compiles every width",
   "test_adaptive.py::test_adaptive_greedy_is_lossless[flat]": "CI: [mild]",
-  "test_serve_adaptive.py::test_adaptive_drops_a_drafter_that_never_lands": "CI: the tree that never lands is dropped",
-  "test_head_eval.py::test_eval_eagle3_chains_and_tree_through_the_harness": "CI: the MTP eval through the harness",
+  "test_serve_adaptive.py::test_adaptive_drops_a_drafter_that_never_lands": "CI: test_adaptive_lossless_and_fields_stay_per_request",
+  "test_head_eval.py::test_eval_eagle3_chains_and_tree_through_the_harness": "the eval harness on EAGLE-3 chains and trees",
   "test_builtin_mtp.py::test_speculative_greedy_equals_plain_greedy[redecode]": "CI: [per_step]",
-  "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[chain]": "CI: [tree] and chain batch 1",
+  "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[chain]": "CI: [tree]; test_registry_laws[eagle3]",
   "test_tree.py::test_greedy_tree_speculation_is_lossless[batch1]": "CI: [batch3_ragged]",
   "test_dflash_reference.py::test_a_reference_folder_loads_drafts_as_zlab_and_losslessly": "CI: export then reference load",
   "test_eagle3_reference.py::test_a_reference_folder_loads_and_drafts_losslessly": "CI: export then reference load",
@@ -49,8 +47,6 @@ SLOW: dict[str, str] = {
   "test_speculator_registry.py::test_plugin_is_lossless_and_drafts_from_its_corpus": "CI: the plugin in test_registry_laws",
   "test_data_magpie.py::test_sampled_queries_close_the_user_turn_and_repeat_for_a_seed": "Magpie sampling",
   "test_user_errors.py::test_unwritable_compile_cache_runs_uncached": "an unwritable cache folder",
-}
-SLOW.update({
   "test_serve_prefill.py::test_warm_up_compiles_every_program_ahead": "CI: test_no_compilation_after_warm_up",
   "test_serve_prefill.py::test_requests_arriving_together_prefill_in_one_call[mtp]": "CI: [None]",
   "test_serve_prefill.py::test_one_pass_prompt_near_a_capacity_off_the_64_grid": "a prompt near the capacity",
@@ -66,11 +62,6 @@ SLOW.update({
   "test_registry_laws.py::test_tree_node_budget_is_its_option_and_n_max_its_depth[draft_tree]": "CI: [dflash_tree]",
   "test_data_magpie.py::test_dataset_with_magpie_source_resumes_to_identical_shards": "Magpie shards resume",
   "test_kvcache.py::test_ragged_batch_greedy_decodes_like_alone[tiny_gemma]": "CI: [tiny_llama]",
-})
-
-# second cut: the CI tier ran 21.6 and 25.5 minutes on two days of the same 2-core machine, so it
-# keeps a margin below 25
-SLOW.update({
   "test_batch_invariant.py::test_speculative_greedy_equals_plain_greedy_in_bf16[ngram_simple]": "CI: [eagle3_tree], and decode = chain = tree logits in [llama-bf16]",
   "test_dflash_tree.py::test_greedy_rounds_replay_from_training_blocks": "CI: EAGLE-3's engine acceptance = its training-time test",
   "test_dflash_tree.py::test_sampling_keeps_the_token_law": "CI: every speculator's sampled law in test_registry_laws",
@@ -87,7 +78,7 @@ SLOW.update({
   "test_user_errors.py::test_forged_assistant_turn_via_the_cli_is_text": "the CLI path of a forged assistant turn",
   "test_mtp.py::test_speculation_with_mtp_is_lossless": "CI: test_registry_laws[mtp]",
   "test_eagle3.py::test_greedy_speculation_is_lossless_batch_1[chain]": "CI: test_registry_laws[eagle3]",
-})
+}
 
 
 def slow_reason(nodeid: str) -> str | None:
