@@ -1,8 +1,8 @@
 """Bitwise losslessness in bf16 with the batch-invariant forward, and what it costs.
 
 For each mode ("default": the XLA forward; "invariant": the batch-invariant kernels,
-`ModelConfig.invariant`) and each method (plain greedy decoding, ngram_simple, mtp, eagle3_tree,
-dflash_tree with the heads in assets/smollm2/), MT-bench first turns are generated one at a time
+`ModelConfig.invariant`) and each method (plain greedy decoding and every built-in speculator,
+the head speculators with the heads in assets/smollm2/, and a chain; `METHODS`), MT-bench first turns are generated one at a time
 (batch 1, greedy, 128 new tokens, stop at EOS). A method's output on a prompt is `equal` when it
 is, token for token, the plain output of the same mode. Every run is timed after an untimed run of
 the same prompt (compilation, warm-up): tokens/s of a mode and method = tokens / seconds over its
@@ -40,20 +40,36 @@ from specjax import api  # noqa: E402
 from specjax.bench.env import device_info, git_revision, versions  # noqa: E402
 from specjax.bench.prompts import load_prompt_set  # noqa: E402
 from specjax.drafters.base import DraftParams  # noqa: E402
+from specjax.drafters import speculator_spec  # noqa: E402
 from specjax.drafters.registry import make_speculator  # noqa: E402
 from specjax.io import compile_cache  # noqa: E402
 from specjax.models.decoder import forward  # noqa: E402
 from specjax.models.kv_cache import KVCache  # noqa: E402
 
 HEADS = ROOT / "assets" / "smollm2"
-# name -> (speculator, head, draft params, options): the engine no-regression check's methods
+NGRAM_DP = {"n_max": 8, "n_min": 1}
+# name -> (speculator, head, draft params, options): every built-in speculator and a chain of two.
+# `draft` / `draft_tree` draft with a copy of the target whose matrices carry 30 % noise (the
+# registry's example draft model; SmolLM2 has no smaller sibling with its tokenizer): whether the
+# output equals plain decoding depends on how the target verifies, not on where drafts come from.
 METHODS = {
     "plain": None,
-    "ngram_simple": ("ngram_simple", None, {"n_max": 8, "n_min": 1}, {"size_n": 3, "size_m": 16}),
+    "ngram_simple": ("ngram_simple", None, NGRAM_DP, {"size_n": 3, "size_m": 16}),
     "mtp": ("mtp", HEADS / "mtp" / "mtp_head.safetensors", {"n_max": 3}, None),
     "eagle3_tree": ("eagle3_tree", HEADS / "eagle3" / "eagle3_head.safetensors", {}, {"n_nodes": 48}),
     "dflash_tree": ("dflash_tree", HEADS / "dflash" / "dflash.safetensors", {}, {"n_nodes": 32}),
+    "eagle3": ("eagle3", HEADS / "eagle3" / "eagle3_head.safetensors", {"n_max": 5}, None),
+    "dflash": ("dflash", HEADS / "dflash" / "dflash.safetensors", {}, None),
+    "draft": ("draft", None, {"n_max": 4}, None),
+    "draft_tree": ("draft_tree", None, {}, {"depth": 4, "top_k": 2, "n_nodes": 12}),
+    "ngram_map_k": ("ngram_map_k", None, NGRAM_DP, {"size_n": 3, "size_m": 16}),
+    "ngram_map_k4v": ("ngram_map_k4v", None, NGRAM_DP, {"size_n": 3, "size_m": 16}),
+    "ngram_mod": ("ngram_mod", None, {}, {"n_match": 4, "n_min": 2, "n_max": 16}),
+    "ngram_cache": ("ngram_cache", None, {}, None),
+    "suffix": ("suffix", None, NGRAM_DP, None),
+    "ngram_simple,suffix": ("ngram_simple,suffix", None, NGRAM_DP, {"ngram_simple": {"size_n": 3, "size_m": 16}}),
 }
+DRAFT_MODEL_METHODS = ("draft", "draft_tree")
 MODES = ("invariant", "default")
 CHECK_LEN = 8                         # continuation tokens compared in the self-check
 
@@ -113,6 +129,11 @@ def self_check(target, prompt: list[int], capacity: int) -> dict:
 # the equality runs
 
 
+def perturbed_draft_model(target):
+  """The registry's example draft model for `target`: its weights with 30 % noise (seeded)."""
+  return speculator_spec.get("draft").example(target, None)["draft_model"]
+
+
 def build_drafters(target, methods) -> dict:
   """The named methods' speculators (only these: a head the run does not use need not be here)."""
   out = {}
@@ -122,7 +143,8 @@ def build_drafters(target, methods) -> dict:
       continue
     speculator, head, dp, options = spec
     dparams = DraftParams(**dp)
-    out[name] = (make_speculator(speculator, target, draft_params=dparams, options=options,
+    draft_model = perturbed_draft_model(target) if name in DRAFT_MODEL_METHODS else None
+    out[name] = (make_speculator(speculator, target, draft_params=dparams, options=options, draft_model=draft_model,
                                  head=None if head is None else str(head)), dp)
   return out
 
