@@ -48,6 +48,7 @@ from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
 from specjax.serve.adaptive_tree_slots import SlotBudgetController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
+from specjax.serve.packed_tree import PackedTree
 
 
 def compile_ahead(lowerings: list, threads: int | None = None) -> dict:
@@ -135,6 +136,9 @@ class SlotEngine:
     self.host_factory = host_drafter_factory
     self.host = [None] * slots          # per-slot host drafter instances (batch 1 each)
     self.dparams = drafter.params() if drafter is not None and drafter.on_device else ()
+    # the weights as the jitted programs take them on every call (one flat tuple: `packed_tree`)
+    self._packed = PackedTree.pack(self.params), PackedTree.pack(self.dparams)
+    self._put_cache: dict = {}
     self.control = None
     self.call_fixed_ms = 0.0               # a device call's time besides its rounds (`round_costs`)
     self.warm_phases: dict | None = None   # `warm`'s time by phase, once it has run
@@ -232,7 +236,7 @@ class SlotEngine:
     # chunked: the history row is capacity-wide, so one program per (rows, width) serves every prompt
     batch, sampling = joins.stack(joining, rows, width, chunk=self._piece_limit, slots=self.b,
                                   prompt_width=self.capacity if self.chunked else width)
-    return ((self.params, self.dparams, self.state, self.dstate, batch, sampling, self.stop),
+    return ((*self._packed, self.state, self.dstate, batch, sampling, self.stop),
             dict(cfg=self.cfg, drafter=self.drafter, capacity=self.capacity, masks=self._masks))
 
   def _prefill_call(self, joining: list[Joining], rows: int, width: int):
@@ -336,7 +340,7 @@ class SlotEngine:
       return RoundSpec(cfg=self.cfg, rollback=self.rollback), inputs
     if self.control is not None:
       sampling, dp, max_new = inputs
-      inputs = sampling, {**dp, "n_max": np.asarray(lengths, np.int32)}, max_new
+      inputs = sampling, {**dp, "n_max": self._on_device(np.asarray(lengths, np.int32))}, max_new
     return self._spec(width), inputs
 
   def _compile(self, width: int | None, rows) -> None:
@@ -365,6 +369,20 @@ class SlotEngine:
     self.live[slots] = False
     for s in slots:
       self.host[s] = None
+
+  def _on_device(self, x):
+    """Small int32 call input `x` (rows, a round count) as a device array, kept for the next call
+    with the same value: a host array is put on the device on every call, which costs more than
+    the round on a small model."""
+    if x is None:
+      return None
+    key = (np.shape(x), np.asarray(x).tobytes())
+    got = self._put_cache.get(key)
+    if got is None:
+      if len(self._put_cache) >= 512:
+        self._put_cache.clear()
+      got = self._put_cache[key] = jax.device_put(np.array(x))
+    return got
 
   def _device_params(self):
     if self._dev is None:
@@ -436,8 +454,8 @@ class SlotEngine:
     """The arguments of one `run_rounds` call."""
     sampling, dp, max_new = inputs
     draft = draft or (None, None)
-    return ((spec, self.params, self.dparams, self.state, self.dstate, rows, sampling, dp, self.stop, max_new,
-             np.int32(rounds), *draft),
+    return ((spec, *self._packed, self.state, self.dstate, self._on_device(rows), sampling, dp, self.stop, max_new,
+             self._on_device(np.int32(rounds)), *draft),
             dict(rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks,
                  ranks=isinstance(self.control, SlotBudgetController)))     # the path's ranks only where read
 

@@ -26,6 +26,7 @@ from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
+from specjax.serve.packed_tree import unpack
 
 
 def has_slot_axis(big, small) -> bool:
@@ -82,6 +83,7 @@ def prefill_rows(params, dparams, state, dstate, rows, sampling, stop_ids, *, cf
   Every row is computed on its own (per-row lengths and positions), so what a request gets does
   not depend on the rows beside it. `masks`: `slot_leaves` of state, dstate.
   -> (state, dstate, first token [N], done at it [N])."""
+  params, dparams = unpack(params), unpack(dparams)
   target = target_of(cfg)
   n_rows, dtype = rows.tokens.shape[0], jax.tree_util.tree_leaves(params)[0].dtype
   old = gather_rows(state, rows.slot, masks[0])                                    # [N] rows of GenState
@@ -152,9 +154,11 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   advanced and written back, so a few live slots run a batch-b program. Rounds: the device
   drafter's, a plain decoding step (`spec.drafter` None), or one round verifying the host
   drafters' draft (draft_tokens [B, w], draft_lengths [B]). `masks`: `slot_leaves` of state, dstate.
+  params / dparams: pytrees, or `PackedTree`s of them (cheaper to pass on every call).
   -> (state, dstate, new tokens [b, rounds_max * (W+1)], counts [3, rounds_max, b] (emitted, draft
   tokens verified, accepted, per round), done [b], rounds run, ranks [rounds_max, b, D]: with `ranks`
   (adaptive node budgets read them), a tree round's accepted-path node ranks; else D = 0)."""
+  params, dparams = unpack(params), unpack(dparams)
   full_state, full_dstate = state, dstate
   if rows is not None:
     state, dstate = gather_rows(state, rows, masks[0]), gather_rows(dstate, rows, masks[1])
