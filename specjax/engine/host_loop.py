@@ -15,6 +15,7 @@ import numpy as np
 from specjax.drafters.base import Draft
 from specjax.engine import adaptive as adapt
 from specjax.engine.loops import prefill_request
+from specjax.engine.packed_tree import PackedTree, unpack
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.stats import RoundStats
 
@@ -22,7 +23,9 @@ from specjax.engine.stats import RoundStats
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))
 def host_step(spec: RoundSpec, inp: RoundInputs, carry: Carry, draft_tokens, draft_lengths):
   """One round with the host's draft (tokens [B, w], lengths [B]).
-  -> (carry, accepted [B], verified draft length [B], new tokens [B, w+1], emitted [B], done [B])."""
+  -> (carry, accepted [B], verified draft length [B], new tokens [B, w+1], emitted [B], done [B]).
+  `inp`'s params / dparams may be `PackedTree`s (the host loop's: cheaper to pass every round)."""
+  inp = dataclasses.replace(inp, params=unpack(inp.params), dparams=unpack(inp.dparams))
   before = carry.state.hist_len
   carry, v = run_round(spec, inp, carry, host_draft=Draft(tokens=draft_tokens, lengths=draft_lengths))
   history = carry.state.history
@@ -56,6 +59,8 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
                           history_len=history_len)
   carry = dataclasses.replace(carry, stats=RoundStats.zeros(b, k))
   n_max = np.asarray(inp.dp["n_max"])
+  # one host_step a round: its weights as one flat tuple (flattening nnx Variables costs ~1 ms a call)
+  inp = dataclasses.replace(inp, params=PackedTree.pack(inp.params), dparams=PackedTree.pack(inp.dparams))
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
   first = np.asarray(carry.state.last)
@@ -73,7 +78,7 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     d_tok = np.asarray(d_tok, np.int32).reshape(b, -1)[:, :width]
     carry, *out = host_step(spec, inp, carry, jnp.asarray(d_tok), jnp.asarray(d_len))
     live = ~done
-    n_acc, dlen, new_tokens, n_new, done = (np.asarray(x) for x in out)
+    n_acc, dlen, new_tokens, n_new, done = jax.device_get(out)      # one wait for all five
     if control is not None:
       control.observe(dlen, n_acc, live)
     t0 = time.perf_counter()

@@ -48,7 +48,7 @@ from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
 from specjax.serve.adaptive_tree_slots import SlotBudgetController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
-from specjax.serve.packed_tree import PackedTree
+from specjax.engine.packed_tree import PackedTree
 
 
 def compile_ahead(lowerings: list, threads: int | None = None) -> dict:

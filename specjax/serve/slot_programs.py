@@ -26,7 +26,7 @@ from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
-from specjax.serve.packed_tree import unpack
+from specjax.engine.packed_tree import unpack
 
 
 def has_slot_axis(big, small) -> bool:
