@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bitwise losslessness in bf16 with the batch-invariant forward, and its cost, on the GPU machine:
-# experiments/invariant_equality.py for SmolLM2 (the weights bootstrap.sh installs), plain vs
-# ngram_simple / mtp / eagle3_tree / dflash_tree (heads in assets/smollm2/), default and invariant
+# experiments/invariant_equality.py for SmolLM2 (the weights bootstrap.sh installs), plain vs every
+# built-in speculator and a chain (heads in assets/smollm2/; --methods picks), default and invariant
 # mode, N MT-bench first turns. Writes $OUT/invariant_equality.json (rewritten after every prompt)
 # and $OUT/invariant_equality.log.
 # Parameters: any invariant_equality.py flags (--limit N, --new-tokens N, --methods ..., --modes ...).
