@@ -376,7 +376,7 @@ class SlotEngine:
     the round on a small model."""
     if x is None:
       return None
-    key = (np.shape(x), np.asarray(x).tobytes())
+    key = (np.shape(x), np.asarray(x).dtype.str, np.asarray(x).tobytes())
     got = self._put_cache.get(key)
     if got is None:
       if len(self._put_cache) >= 512:
