@@ -1,12 +1,13 @@
 """Bitwise losslessness in bf16 with the batch-invariant forward, and what it costs.
 
 For each mode ("default": the XLA forward; "invariant": the batch-invariant kernels,
-`ModelConfig.invariant`) and each method (plain greedy decoding and every built-in speculator,
-the head speculators with the heads in assets/smollm2/, and a chain; `METHODS`), MT-bench first turns are generated one at a time
-(batch 1, greedy, 128 new tokens, stop at EOS). A method's output on a prompt is `equal` when it
-is, token for token, the plain output of the same mode. Every run is timed after an untimed run of
-the same prompt (compilation, warm-up): tokens/s of a mode and method = tokens / seconds over its
-prompts, and invariant / default is the cost of the mode.
+`ModelConfig.invariant`) and each method (`METHODS`: plain greedy decoding, every built-in
+speculator, the head speculators with the heads in assets/smollm2/, and a chain), MT-bench first
+turns are generated one at a time (batch 1, greedy, 128 new tokens, stop at EOS). A method's
+output on a prompt is `equal` when it is, token for token, the plain output of the same mode.
+Every run is timed after an untimed run of the same prompt (compilation, warm-up): tokens/s of a
+mode and method = tokens / seconds over its prompts, and invariant / default is the cost of the
+mode (not a speed for drafters that learn across requests, which the untimed run teaches).
 
 A self-check comes first, in both modes: the logits of a prompt's continuation decoded one token at
 a time, against the same positions verified as one chain and inside a tree whose other branches

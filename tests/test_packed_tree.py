@@ -1,6 +1,6 @@
-"""PackedTree: the weights passed to the server's programs as one flat tuple are the same weights
-(round trip exact, same jitted result), and packing the same structure again keeps jit's cache
-(no retrace per call or per packing)."""
+"""PackedTree: the weights passed to the host loop's and the server's programs as one flat tuple
+are the same weights (round trip exact, same jitted result), and packing the same structure again
+keeps jit's cache (no retrace per call or per packing)."""
 
 import jax
 import jax.numpy as jnp

@@ -3,36 +3,31 @@ one flat tuple of its leaves.
 
 Every call of a jitted function flattens its arguments. The weights are an `nnx.State` (or a dict
 of `nnx.Variable`s), whose nodes flatten through Python callbacks: ~2.5 us a leaf, ~0.9 ms a call
-for SmolLM2 and an MTP head on a CPU host, paid on every such call while the device waits. A `PackedTree` flattens in one callback to a tuple of arrays (which JAX's C++ flattening
-reads directly) and a static part compared by identity, so the weights cost a few microseconds a
-call. Inside the trace `unpack` gives the original pytree back.
+for SmolLM2 and an MTP head on a CPU host, paid on every such call while the device waits. A
+`PackedTree` flattens in one callback to a tuple of arrays (which JAX's C++ flattening reads
+directly) and a static part compared by identity, so the weights cost a few microseconds a call.
+Inside the trace `unpack` gives the original pytree back.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
 
 class _Static:
-  """The tree's structure, hashed and compared by identity: jit's cache key stays cheap. One per
-  distinct structure (`_static_of`), so packing the same weights again (each request of the host
-  loop) finds the programs compiled for the last packing."""
+  """The tree's structure, hashed and compared by identity: jit's cache key stays cheap."""
   __slots__ = ("treedef",)
 
   def __init__(self, treedef):
     self.treedef = treedef
 
 
-_STATICS: dict = {}
-
-
-def _static_of(treedef) -> _Static:
-  got = _STATICS.get(treedef)
-  if got is None:
-    got = _STATICS[treedef] = _Static(treedef)
-  return got
+# one `_Static` per distinct structure, so packing the same weights again (each request of the host
+# loop) finds the programs compiled for the last packing
+_static_of = functools.cache(_Static)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -41,6 +41,7 @@ import numpy as np
 from specjax.drafters.base import DraftParams, check_drafter
 from specjax.engine import RoundSpec
 from specjax.engine.generation import GenState, round_up, target_of
+from specjax.engine.packed_tree import PackedTree
 from specjax.engine.adaptive_tree import PAST_PATH
 from specjax.engine.sampling import SamplingParams
 from specjax.serve import joining as joins
@@ -48,7 +49,6 @@ from specjax.serve import slot_programs as programs
 from specjax.serve.adaptive_slots import SlotWidthController
 from specjax.serve.adaptive_tree_slots import SlotBudgetController
 from specjax.serve.joining import CHUNK_BUCKET, Joining
-from specjax.engine.packed_tree import PackedTree
 
 
 def compile_ahead(lowerings: list, threads: int | None = None) -> dict:
@@ -371,12 +371,13 @@ class SlotEngine:
       self.host[s] = None
 
   def _on_device(self, x):
-    """Small int32 call input `x` (rows, a round count) as a device array, kept for the next call
-    with the same value: a host array is put on the device on every call, which costs more than
-    the round on a small model."""
+    """Small call input `x` (rows, a round count, draft limits) as a device array, kept for the next
+    call with the same value: a host array is put on the device on every call, which on one slot
+    costs about what a round of SmolLM2 does (`experiments/serve_call_cost.py`)."""
     if x is None:
       return None
-    key = (np.shape(x), np.asarray(x).dtype.str, np.asarray(x).tobytes())
+    x = np.asarray(x)
+    key = (x.shape, x.dtype.str, x.tobytes())
     got = self._put_cache.get(key)
     if got is None:
       if len(self._put_cache) >= 512:

@@ -24,9 +24,9 @@ from specjax.engine import Carry, RoundInputs, run_round
 from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
+from specjax.engine.packed_tree import unpack
 from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
-from specjax.engine.packed_tree import unpack
 
 
 def has_slot_axis(big, small) -> bool:
