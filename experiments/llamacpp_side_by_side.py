@@ -20,8 +20,10 @@ except where llama-bench also measures it off):
   tuned ngram_simple (size_n 3, size_m 16, n_max 8, n_min 1: configs/bench_engine_regression_*,
   experiments/results/tune_smollm2_device_h100/best.yaml) and ngram_simple with llama.cpp's n, m
   (n_max = m, n_min 0) for like-for-like rows.
-Draft-model speculation (Qwen2.5-Coder 0.5B -> 1.5B) is left out: the two GGUFs (1.6 GB) cannot
-travel to the GPU machine within its 64 MiB per call.
+With --draft-gguf (Qwen2.5-Coder 0.5B drafting for 1.5B, both Q4_K_M GGUFs): plain decoding, n-gram
+speculation at n 3 / m 16, and draft-model speculation (`--spec-type draft-simple -md DRAFT`) at
+llama.cpp's defaults (n_max 3, p_min 0) and at n_max 16 / p_min 0.75; specjax runs its `draft`
+speculator with the same n_max / p_min on the same two files (dequantized to --dtype).
 
 Resumable: every finished llama.cpp run and specjax row is kept under --state; a second call
 continues where the first stopped (`specjax bench --resume`), and the merged JSON is rewritten
@@ -90,9 +92,44 @@ PAIRS = [  # (specjax method, llama.cpp method): the same drafts on both sides
     ("ngram_simple_n12_m48", "ngram_simple_n12_m48"),
 ]
 
+# With --draft-gguf (Qwen2.5-Coder 0.5B drafting for 1.5B): plain decoding, one n-gram setting and
+# draft-model speculation at llama.cpp's defaults (n_max 3, n_min 0, p_min 0) and at a longer draft
+# cut by the draft's confidence (n_max 16, p_min 0.75), the same on both sides.
+def _draft_args(n_max: int, p_min: float) -> list[str]:
+  return ["--spec-type", "draft-simple", "-md", "{draft}", "-ngld", "99", "--spec-draft-n-max", str(n_max),
+          "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min)]
+
+
+PAIR_LLAMA_METHODS: dict[str, dict] = {
+    **{k: LLAMA_METHODS[k] for k in ("plain_completion", "plain_spec_loop", "ngram_simple_n3_m16")},
+    "draft_n3": {"binary": "llama-speculative-simple", "args": _draft_args(3, 0.0),
+                 "what": "draft-model speculation at llama.cpp's defaults (n_max 3, n_min 0, p_min 0)"},
+    "draft_n16_p075": {"binary": "llama-speculative-simple", "args": _draft_args(16, 0.75),
+                       "what": "draft-model speculation, up to 16 tokens, stopped when the draft's top "
+                               "probability is below 0.75"},
+}
+PAIR_SPECJAX_METHODS = [
+    SPECJAX_METHODS[1],
+    {"name": "draft_n3", "speculator": "draft", "draft_model": "{draft}", "draft_params": {"n_max": 3, "n_min": 0}},
+    {"name": "draft_n16_p075", "speculator": "draft", "draft_model": "{draft}",
+     "draft_params": {"n_max": 16, "n_min": 0, "p_min": 0.75}},
+]
+PAIR_PAIRS = [("plain", "plain_spec_loop"), ("ngram_simple_n3_m16", "ngram_simple_n3_m16"),
+              ("draft_n3", "draft_n3"), ("draft_n16_p075", "draft_n16_p075")]
+
+
+def suite(args) -> tuple[dict, list, list]:
+  """(llama.cpp methods, specjax methods, pairs) this run compares, the draft GGUF's path filled in."""
+  if not getattr(args, "draft_gguf", None):
+    return LLAMA_METHODS, SPECJAX_METHODS, PAIRS
+  draft = str(Path(args.draft_gguf).resolve())
+  fill = lambda x: [draft if a == "{draft}" else a for a in x]
+  llama = {k: {**m, "args": fill(m["args"])} for k, m in PAIR_LLAMA_METHODS.items()}
+  specjax = [{**m, "draft_model": draft} if m.get("draft_model") else m for m in PAIR_SPECJAX_METHODS]
+  return llama, specjax, PAIR_PAIRS
+
+
 NOTES = [
-    "Draft-model speculation (Qwen2.5-Coder 0.5B -> 1.5B, issue 25 goal 5) is not here: the two GGUFs "
-    "(491 MB + 1.12 GB) cannot travel to the GPU machine, which has no network and takes 64 MiB per call.",
     "Both sides read the same GGUF file (path and sha256 under model) and the same prompts: each MT-bench "
     "first turn rendered with the GGUF's chat template by specjax; llama.cpp gets that text with -p and "
     "tokenizes it with special tokens parsed (prompts[].llama_cpp_tokenization_equal: specjax's tokenizer "
@@ -471,6 +508,8 @@ def header(args, prompts: list[dict]) -> dict:
                     "build": _read_json(Path(args.state) / "build.json", None),
                     "nvcc": ((_sh(["nvcc", "--version"]) or "").splitlines() or [None])[-1]},
       "model": {"path": gguf, "size": os.path.getsize(gguf), "sha256": _sha256(gguf)},
+      **({"draft_model": {"path": str(Path(args.draft_gguf).resolve()), "size": os.path.getsize(args.draft_gguf),
+                          "sha256": _sha256(args.draft_gguf)}} if args.draft_gguf else {}),
       "settings": {"batch": 1, "greedy": True, "max_new_tokens": args.max_new, "llama_cpp_common_args": COMMON,
                    "specjax_dtype": args.dtype},
       "prompts": prompts,
@@ -479,7 +518,7 @@ def header(args, prompts: list[dict]) -> dict:
 
 
 def llama_argv(args, method: str, prompt_text: str) -> list[str]:
-  m = LLAMA_METHODS[method]
+  m = suite(args)[0][method]
   argv = [str(Path(args.bin) / m["binary"]), "-m", args.gguf, "-p", prompt_text, "-n", str(args.max_new), *COMMON,
           *m["args"]]
   if m["binary"] == "llama-speculative-simple":
@@ -515,8 +554,9 @@ def run_llama_bench(side: Side, args) -> None:
 def run_llama_prompts(side: Side, args, prompts: list[dict]) -> None:
   """Every llama.cpp method on every prompt, prompt by prompt (the methods share the drift)."""
   runs = side.data.setdefault("llama_cpp_runs", {})
+  methods = suite(args)[0]
   for p in prompts:
-    for method in LLAMA_METHODS:
+    for method in methods:
       key = f"{method}/{p['question_id']}"
       if key in runs and runs[key].get("exit") == 0:
         continue
@@ -533,7 +573,7 @@ def run_llama_prompts(side: Side, args, prompts: list[dict]) -> None:
         rc, text = "timeout", (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
       wall = time.monotonic() - t0
       side.log_raw(key, argv, rc, wall, text)
-      parsed = (parse_completion if LLAMA_METHODS[method]["binary"] == "llama-completion"
+      parsed = (parse_completion if methods[method]["binary"] == "llama-completion"
                 else parse_speculative_simple)(text)
       runs[key] = {"method": method, "question_id": p["question_id"], "category": p["category"], "exit": rc,
                    "process_seconds": wall, "command": argv, **parsed}
@@ -548,7 +588,7 @@ def specjax_config(args, prompts_file: str) -> dict:
   return {"name": SPECJAX_NAME, "target": str(Path(args.gguf).resolve()), "dtype": args.dtype,
           "prompts": [str(Path(prompts_file).resolve())], "turns": 1, "max_new_tokens": args.max_new,
           "batch_size": 1, "repeats": 1, "sampling": {"temperature": 0.0},
-          "methods": [m for m in SPECJAX_METHODS if not args.specjax_methods or m["name"] in args.specjax_methods]}
+          "methods": [m for m in suite(args)[1] if not args.specjax_methods or m["name"] in args.specjax_methods]}
 
 
 def run_specjax(side: Side, args, prompts_file: str) -> None:
@@ -585,10 +625,10 @@ def _mean(xs):
   return statistics.fmean(xs) if xs else None
 
 
-def llama_summary(runs: dict, prompts: list[dict]) -> dict:
+def llama_summary(runs: dict, prompts: list[dict], methods: dict = LLAMA_METHODS) -> dict:
   """Per llama.cpp method: totals, mean per-prompt tok/s, speedup over LLAMA_PLAIN per prompt."""
   qids = [p["question_id"] for p in prompts]
-  by = {m: {q: runs.get(f"{m}/{q}") for q in qids} for m in LLAMA_METHODS}
+  by = {m: {q: runs.get(f"{m}/{q}") for q in qids} for m in methods}
   out = {}
   for m, rows in by.items():
     ok = {q: r for q, r in rows.items() if r and r.get("exit") == 0 and r.get("tokens_per_s")}
@@ -601,7 +641,7 @@ def llama_summary(runs: dict, prompts: list[dict]) -> dict:
     accepted = sum(r.get("n_accept") or 0 for r in ok.values())
     calls = sum((r.get("stats") or {}).get("calls_draft") or 0 for r in ok.values())
     predicted = sum(r.get("n_predict") or 0 for r in ok.values() if (r.get("stats") or {}).get("calls_draft"))
-    out[m] = {"what": LLAMA_METHODS[m]["what"], "prompts": len(ok), "of": len(qids), "new_tokens": tokens,
+    out[m] = {"what": methods[m]["what"], "prompts": len(ok), "of": len(qids), "new_tokens": tokens,
               "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
               "mean_tokens_per_s": _mean([r["tokens_per_s"] for r in ok.values()]),
               "speedup": _mean(speedups) if speedups else None,
@@ -622,7 +662,8 @@ def specjax_summary(result: dict) -> dict:
 
 def merge(side: Side, prompts: list[dict]) -> None:
   d = side.data
-  d["llama_cpp_summary"] = llama_summary(d.get("llama_cpp_runs", {}), prompts)
+  methods, _, pairs = suite(side.args)
+  d["llama_cpp_summary"] = llama_summary(d.get("llama_cpp_runs", {}), prompts, methods)
   sj = _read_json(side.state / f"{SPECJAX_NAME}.json", {})
   if sj:
     d["specjax"] = {"result_file": f"{SPECJAX_NAME}.json", "complete": sj.get("complete"),
@@ -635,7 +676,7 @@ def merge(side: Side, prompts: list[dict]) -> None:
   lb = (d.get("llama_bench") or {}).get("tokens_per_s") or {}
   ls, ss = d["llama_cpp_summary"], (d.get("specjax") or {}).get("summary", {})
   table = []
-  for sname, lname in PAIRS:
+  for sname, lname in pairs:
     a, b = ss.get(sname) or {}, ls.get(lname) or {}
     table.append({"specjax": sname, "llama_cpp": lname,
                   "specjax_tokens_per_s": a.get("tokens_per_s"), "llama_cpp_tokens_per_s": b.get("tokens_per_s"),
@@ -652,7 +693,7 @@ def merge(side: Side, prompts: list[dict]) -> None:
   runs = d.get("llama_cpp_runs", {})
   d["complete"] = bool(
       (d.get("llama_bench") or {}).get("rows")
-      and all(runs.get(f"{m}/{p['question_id']}", {}).get("exit") == 0 for m in LLAMA_METHODS for p in prompts)
+      and all(runs.get(f"{m}/{p['question_id']}", {}).get("exit") == 0 for m in methods for p in prompts)
       and (d.get("specjax") or {}).get("complete") is True)
 
 
@@ -704,6 +745,8 @@ def main(argv=None) -> int:
   r.add_argument("--bin", default=None, help="llama.cpp's bin folder (llama-bench, llama-completion, llama-speculative-simple)")
   r.add_argument("--src", default=None, help="llama.cpp's source folder (SPECJAX_SOURCE.txt: version, commit)")
   r.add_argument("--gguf", required=True)
+  r.add_argument("--draft-gguf", default=None,
+                 help="a draft model's GGUF (same tokenizer): compare draft-model speculation instead of the n-gram grid")
   r.add_argument("--prompts", required=True)
   r.add_argument("--state", required=True, help="kept between calls: finished runs, specjax's journal")
   r.add_argument("--out", default=None, help="folder the result is copied to after every step")

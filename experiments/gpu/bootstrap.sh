@@ -6,7 +6,7 @@
 #   - prompt / data files ($DATA_CARRY/*.jsonl, and *.jsonl.gz unpacked) are copied into $SPECJAX_DATA;
 #   - weight chunks ($CHUNKS, made here with `split -b 47M -d MODEL.gguf .weights/NAME.part`, NAME =
 #     $CHUNK_NAME: `smol` for SmolLM2, else the fetch name) are gathered into $WORK/chunks over one or
-#     more calls; once MODEL's chunks (NAME.part*) join into a file whose sha256
+#     more calls; once MODEL's (and DRAFT_MODEL's) chunks (NAME.part*) join into a file whose sha256
 #     matches, `specjax fetch $MODEL --from-file` installs it into $SPECJAX_HOME;
 #   - files an earlier machine returned ($CARRY_PERSIST/, e.g. a data tar or a head) seed $PERSIST;
 #     a file that travelled in pieces (`split -b 10M -d F F.part; stat -c %s F > F.size`) is joined
@@ -14,7 +14,7 @@
 #     under assets/ of the checkout where it lacks them (heads the configs name, carried over calls).
 # Environment (defaults in brackets): WORK [$HOME/specjax-gpu], SPECJAX_HOME [$WORK/home],
 # SPECJAX_DATA [$WORK/data], SITE [$WORK/site], PERSIST [$WORK/persist], WHEELS [.whl],
-# DATA_CARRY [.data], CHUNKS [.weights/*.part*], MODEL [smollm2-135m-instruct],
+# DATA_CARRY [.data], CHUNKS [.weights/*.part*], MODEL [smollm2-135m-instruct], DRAFT_MODEL [none],
 # CARRY_PERSIST [.gpucarry/persist], OUT (required: the folder whose files come back).
 # SMOKE=1: a CPU-sized run on this machine (nothing installed; WORK defaults to out/smoke).
 # Defines: device_kind, bars (progress bars filtered), timed_run TAG SECONDS CMD..., spec_fields.
@@ -39,15 +39,18 @@ if [ "${SMOKE:-0}" != 1 ]; then
     if [ -f "$f" ] && [ ! -f "$SPECJAX_DATA/$(basename "$f" .gz)" ]; then gunzip -c "$f" > "$SPECJAX_DATA/$(basename "$f" .gz)"; fi
   done
   for f in ${CHUNKS:-.weights/*.part*}; do [ -f "$f" ] && cp --update=none "$f" "$WORK/chunks/"; done
-  if [ "$MODEL" = smollm2-135m-instruct ]; then CHUNK_NAME=${CHUNK_NAME:-smol}; else CHUNK_NAME=${CHUNK_NAME:-$MODEL}; fi
-  if [ ! -f "$SPECJAX_HOME/.$MODEL" ] && ls "$WORK/chunks/$CHUNK_NAME".part* >/dev/null 2>&1; then
-    cat "$WORK/chunks/$CHUNK_NAME".part* > "$WORK/model.gguf"        # the sha256 check says whether every chunk is here
-    if python3 -m specjax.cli fetch "$MODEL" --from-file "$WORK/model.gguf" 2>/dev/null; then
-      touch "$SPECJAX_HOME/.$MODEL"; rm -f "$WORK/model.gguf"
-    else
-      echo "[bootstrap] $MODEL: chunks incomplete so far"
+  for m in $MODEL ${DRAFT_MODEL:-}; do
+    if [ "$m" = smollm2-135m-instruct ]; then name=${CHUNK_NAME:-smol}; else name=$m; fi
+    if [ ! -f "$SPECJAX_HOME/.$m" ] && ls "$WORK/chunks/$name".part* >/dev/null 2>&1; then
+      cat "$WORK/chunks/$name".part* > "$WORK/model.gguf"        # the sha256 check says whether every chunk is here
+      if python3 -m specjax.cli fetch "$m" --from-file "$WORK/model.gguf" 2>/dev/null; then
+        touch "$SPECJAX_HOME/.$m"
+      else
+        echo "[bootstrap] $m: chunks incomplete so far"
+      fi
+      rm -f "$WORK/model.gguf"
     fi
-  fi
+  done
 fi
 CARRY_PERSIST=${CARRY_PERSIST:-.gpucarry/persist}
 [ -d "$CARRY_PERSIST" ] && cp -rn "$CARRY_PERSIST/." "$PERSIST/"
@@ -81,5 +84,5 @@ timed_run() {
 spec_fields() {
   python3 -c "import sys; from specjax.train.$1 import load_spec; s = load_spec(sys.argv[1]); print(*[eval('s.' + f) for f in sys.argv[2:]])" "${@:2}"
 }
-echo "[bootstrap] rev $SPECJAX_GIT_REV; $MODEL: $([ -f "$SPECJAX_HOME/.$MODEL" ] && echo installed || echo 'not from chunks'); persist: $(ls "$PERSIST" | tr '\n' ' ')"
+echo "[bootstrap] rev $SPECJAX_GIT_REV; $(for m in $MODEL ${DRAFT_MODEL:-}; do echo -n "$m: $([ -f "$SPECJAX_HOME/.$m" ] && echo installed || echo 'not from chunks'); "; done)persist: $(ls "$PERSIST" | tr '\n' ' ')"
 if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then exec "$@"; fi

@@ -34,6 +34,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-560}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 CARRY=.gpucarry/llamacpp
+MODEL=${MODEL:-smollm2-135m-instruct}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 TARGETS="llama-bench llama-completion llama-speculative-simple"
 
@@ -89,18 +90,22 @@ ggml_version=$ggml
 EOF
   tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=2026-01-01 -C "$tmp/pack" -cf - llama.cpp \
     | gzip -9n > "$CARRY/llama.cpp.tar.gz"
-  "$py" experiments/llamacpp_side_by_side.py prompts --out "$CARRY/prompts.jsonl"
+  local gguf m name
+  gguf=$("$py" -c "from specjax.io.fetch import fetch; print(fetch('$MODEL'))" | tail -1)
+  "$py" experiments/llamacpp_side_by_side.py prompts --gguf "$gguf" --out "$CARRY/prompts.jsonl"
   [ -f "$CARRY"/whl/gguf-0.19.0-*.whl ] || "$py" -m pip download -q --no-deps --only-binary=:all: gguf==0.19.0 -d "$CARRY/whl"
-  local gguf
-  gguf=$("$py" -c 'from specjax.io.fetch import fetch; print(fetch("smollm2-135m-instruct"))' | tail -1)
-  [ -f "$CARRY/weights/smol.part01" ] || split -b 47M -d "$gguf" "$CARRY/weights/smol.part"
+  for m in $MODEL ${DRAFT_MODEL:-}; do
+    if [ "$m" = smollm2-135m-instruct ]; then name=smol; else name=$m; fi
+    gguf=$("$py" -c "from specjax.io.fetch import fetch; print(fetch('$m'))" | tail -1)
+    ls "$CARRY/weights/$name".part* >/dev/null 2>&1 || split -b "${CHUNK_SIZE:-47M}" -d "$gguf" "$CARRY/weights/$name.part"
+  done
   ls -la "$CARRY" "$CARRY/whl" "$CARRY/weights"
   echo "llama.cpp $v (commit $commit, ggml $ggml): $(du -b "$CARRY/llama.cpp.tar.gz" | cut -f1) bytes"
 }
 if [ "${1:-}" = --pack ]; then pack "${2:-}"; exit 0; fi
 
 # --- the GPU machine -------------------------------------------------------------------------------
-export WHEELS=${WHEELS:-$CARRY/whl} CHUNKS=${CHUNKS:-$CARRY/weights/smol.part*}
+export WHEELS=${WHEELS:-$CARRY/whl} CHUNKS=${CHUNKS:-$CARRY/weights/*.part*}
 source "$HERE/bootstrap.sh"
 TAR=${LLAMA_TAR:-$CARRY/llama.cpp.tar.gz}
 LLAMA_HOME=${LLAMA_HOME:-$HOME/llamacpp}
@@ -134,6 +139,22 @@ if ! built; then
   tb=$(date +%s)
   set +e
   if [ ! -f "$BUILD/build.ninja" ]; then "${CONFIGURE[@]}" > "$STATE/build.log" 2>&1 || { cat "$STATE/build.log"; exit 1; }; fi
+  if [ "${DETACH_BUILD:-0}" = 1 ]; then
+    # the build runs on in its own process session while the machine stays warm (weight chunks
+    # arriving in later calls); a later call finds the binaries, or waits for this pid below
+    if ! kill -0 "$(cat "$STATE/build.pid" 2>/dev/null)" 2>/dev/null; then
+      setsid nohup bash -c "$(printf '%q ' "${COMPILE[@]}") >> '$STATE/build.log' 2>&1; echo \$? > '$STATE/build.rc'" \
+        > /dev/null 2>&1 < /dev/null &
+      echo $! > "$STATE/build.pid"; echo "$tb" > "$STATE/build.t0"
+      echo "[llamacpp] building $TARGETS in the background (pid $(cat "$STATE/build.pid"))"
+    fi
+    exit 0
+  fi
+  if kill -0 "$(cat "$STATE/build.pid" 2>/dev/null)" 2>/dev/null; then     # a detached build still running
+    echo "[llamacpp] waiting for the background build"
+    while kill -0 "$(cat "$STATE/build.pid")" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
+    tb=$(cat "$STATE/build.t0" 2>/dev/null || echo "$tb")
+  fi
   limit=$(( $(left) - 20 ))
   if [ "$limit" -lt 30 ]; then echo "[llamacpp] no time left to build in this call: call again"; exit 0; fi
   echo "[llamacpp] building $TARGETS (at most $limit s of this call)"
@@ -160,6 +181,12 @@ EOF
 fi
 
 GGUF=$(python3 -c "from specjax.io.fetch import model_path; print(model_path('$MODEL'))")
+DRAFT_ARGS=()
+if [ -n "${DRAFT_MODEL:-}" ]; then
+  DRAFT_GGUF=$(python3 -c "from specjax.io.fetch import model_path; print(model_path('$DRAFT_MODEL'))")
+  [ -f "$DRAFT_GGUF" ] || { echo "[llamacpp] $DRAFT_MODEL is not installed yet (chunks: $(ls "$WORK/chunks" | tr '\n' ' '))"; exit 0; }
+  DRAFT_ARGS=(--draft-gguf "$DRAFT_GGUF")
+fi
 if [ ! -f "$GGUF" ]; then
   echo "[llamacpp] llama.cpp is built; $MODEL is not installed yet (chunks so far: $(ls "$WORK/chunks" | tr '\n' ' ')):"
   echo "[llamacpp] call again at once carrying the other chunk"; exit 0
@@ -171,7 +198,7 @@ if [ "$limit" -lt 60 ]; then echo "[llamacpp] built and installed, but only $lim
 echo "[llamacpp] running both sides on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $limit s left"
 set +e
 timeout "$limit" python3 experiments/llamacpp_side_by_side.py run --bin "$BUILD/bin" --src "$SRC" \
-  --gguf "$GGUF" --prompts "$PROMPTS" --state "$STATE" --out "$OUT" --deadline-s $(( $(left) - 15 )) \
+  --gguf "$GGUF" "${DRAFT_ARGS[@]}" --prompts "$PROMPTS" --state "$STATE" --out "$OUT" --deadline-s $(( $(left) - 15 )) \
   --max-new "${MAX_NEW:-256}" --dtype "${DTYPE:-bfloat16}" ${EXTRA:-}
 echo "[llamacpp] side by side: exit $? after $(( $(date +%s) - T0 )) s in all"
 ls -la "$OUT"
