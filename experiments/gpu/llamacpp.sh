@@ -20,10 +20,16 @@
 # Resumable: the build is skipped when its binaries exist (an interrupted build continues), finished
 # llama.cpp runs and specjax rows are kept in $WORK/llamacpp; a call that finds both chunks and the
 # build runs everything; a cold machine in between just repeats the build.
+# Draft-model speculation (Qwen2.5-Coder 0.5B -> 1.5B): pack with MODEL=qwen2.5-coder-1.5b-instruct
+# DRAFT_MODEL=qwen2.5-coder-0.5b-instruct CHUNK_SIZE=60M (26 chunks); on the GPU a first call with
+# DETACH_BUILD=1 starts the build in the background and returns, one call per further chunk copies
+# it to $WORK/chunks, and a last call with the same MODEL / DRAFT_MODEL installs both and runs
+# (experiments/README.md has the calls).
 # Environment: BUDGET [560] seconds for this script (the tool allows 600); LLAMA_HOME [$HOME/llamacpp]
 # (outside the checkout); JOBS [16]; PROMPTS [.gpucarry/llamacpp/prompts.jsonl]; MAX_NEW [256];
 # DTYPE [bfloat16]; EXTRA (more flags for llamacpp_side_by_side.py run, e.g. "--limit 2");
-# WHEELS / CHUNKS default to .gpucarry/llamacpp/{whl,weights/smol.part*}; the rest as in bootstrap.sh.
+# MODEL [smollm2-135m-instruct], DRAFT_MODEL [none: the n-gram grid], CHUNK_SIZE [47M] (--pack),
+# DETACH_BUILD [0]; WHEELS / CHUNKS default to .gpucarry/llamacpp/{whl,weights/*.part*}; the rest as in bootstrap.sh.
 # Example (device tool): SPECJAX_GIT_REV=abc1234 bash experiments/gpu/llamacpp.sh
 #   with carry [".gpucarry/llamacpp/llama.cpp.tar.gz", ".gpucarry/llamacpp/prompts.jsonl",
 #               ".gpucarry/llamacpp/whl", ".gpucarry/llamacpp/weights/smol.part00"], then ...part01
