@@ -51,8 +51,10 @@ VARIANTS = {
     "dynamic_slice_fusion": "--xla_gpu_enable_dynamic_slice_fusion=true",
     # the step's kernels captured in CUDA graphs however few there are in a run
     "graph_min_1": "--xla_gpu_graph_min_graph_size=1",
-    # XLA's defaults, with one-row products run as two-row GEMMs (`two_row_products`)
+    # XLA's defaults, with every one-row product run as a two-row GEMM (`two_row_products`), or none
+    # (`one_row_products`; the model's default does so for wide matrices only, `layers.row_product`)
     "two_row_products": "",
+    "one_row_products": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
@@ -68,34 +70,22 @@ VARIANTS = {
 VARIANT_ENV = {name: {"SPECJAX_FUSED_DECODE": "1"} for name in ("fused_layers", "fused_cmdbuf", "fused_cmdbuf_while")}
 
 def two_row_products() -> None:
-  """Patch `Linear` (in this child process only) so that a one-row product (a batch-1 decode step)
-  runs as a GEMM of two rows, the row and a zero row, and row 0 is kept. XLA's GPU compiler
-  rewrites a one-row product as a broadcast multiply and a reduction, and for the QKV, output and
-  down projections of SmolLM2 it writes that multiply's whole f32 [in, out] product before reducing
-  it; two rows make it a matrix product, which goes to a GEMM kernel. Optimization barriers keep the
-  simplifier from folding the zero row away or moving the row-0 slice into the product (the GPU
-  compiler removes them only after scheduling). Values unchanged (the zero row is dropped)."""
-  import math
-
-  import jax
-  import jax.numpy as jnp
-
+  """Every one-row product (a batch-1 decode step) as a two-row GEMM, in this child process only:
+  `layers.row_product`'s size threshold set to 0 (the model's default runs only wide matrices so).
+  Values unchanged (the zero row is dropped)."""
   from specjax.models import layers
-  one_row = layers.Linear.__call__
+  layers.TWO_ROW_MIN_ELEMENTS = 0
 
-  def call(self, x):
-    if self.invariant or math.prod(x.shape[:-1]) != 1:
-      return one_row(self, x)
-    w = self.kernel[...]
-    rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)]).astype(w.dtype)   # [2, in]
-    y = jnp.einsum("mi,io->mo", jax.lax.optimization_barrier(rows), w, preferred_element_type=jnp.float32)
-    y = jax.lax.optimization_barrier(y)[0].reshape(*x.shape[:-1], -1)                                 # [..., out]
-    return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
-  layers.Linear.__call__ = call
+
+def one_row_products() -> None:
+  """Every one-row product as XLA's own one-row product (the threshold out of reach): the model
+  before `layers.row_product`."""
+  from specjax.models import layers
+  layers.TWO_ROW_MIN_ELEMENTS = 1 << 62
 
 
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
-PATCHES = {"two_row_products": two_row_products}
+PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
@@ -164,9 +154,9 @@ def child(args) -> dict:
     from sharding_bench import TINY_TARGET, random_target
     target, dtype = random_target(TINY_TARGET, "tiny", dtype=jnp.float32), jnp.float32
   elif args.random_shape:
-    from sharding_bench import SMOLLM2_SHAPES, random_target
+    from sharding_bench import RANDOM_SHAPES, random_target
     dtype = jnp.dtype(args.dtype)
-    target = random_target(SMOLLM2_SHAPES, "SmolLM2-135M shapes (random)", dtype=dtype)
+    target = random_target(RANDOM_SHAPES[args.shape], f"{args.shape} shapes (random)", dtype=dtype)
   else:
     from specjax.models.load import load_model
     dtype = jnp.dtype(args.dtype)
@@ -198,7 +188,9 @@ def main(argv=None) -> int:
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
   ap.add_argument("--model", default="smollm2-135m-instruct")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--random-shape", action="store_true", help="the model's shapes with random weights")
+  ap.add_argument("--random-shape", action="store_true", help="a model's shapes with random weights (--shape)")
+  ap.add_argument("--shape", default="smollm2", choices=["smollm2", "qwen2.5-1.5b", "llama-3.1-8b"],
+                  help="whose shapes --random-shape takes (default smollm2)")
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (a CPU dry run)")
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   ap.add_argument("--new-tokens", type=int, default=128, help="timed at this many and twice as many")

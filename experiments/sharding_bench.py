@@ -67,6 +67,10 @@ SMOLLM2_SHAPES = ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_laye
 LLAMA31_8B_SHAPES = ModelConfig(arch="llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                 head_dim=128, ffn_dim=14336, rope_theta=500000.0,
                                 rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), norm_eps=1e-5)
+# Qwen2.5-Coder-1.5B's shapes (the target of the Qwen draft pair; untied head, QKV bias)
+QWEN25_15B_SHAPES = ModelConfig(arch="qwen2", vocab_size=151936, d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2,
+                                head_dim=128, ffn_dim=8960, rope_theta=1e6, qkv_bias=True)
+RANDOM_SHAPES = {"smollm2": SMOLLM2_SHAPES, "qwen2.5-1.5b": QWEN25_15B_SHAPES, "llama-3.1-8b": LLAMA31_8B_SHAPES}
 # --tiny: shardable stand-ins (8 / 4 heads divide model = 2 and 4)
 TINY_TARGET = ModelConfig(arch="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=4,
                           ffn_dim=64, norm_eps=1e-6)

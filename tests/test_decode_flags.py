@@ -176,9 +176,10 @@ def test_hlo_index_names_kernels_as_the_trace_does():
 
 
 def test_two_row_products_change_no_value(monkeypatch):
-  """The `two_row_products` variant's patch (a one-row product run as a two-row GEMM, the zero row
-  dropped) is what a one-token forward runs (two barriers per projection in its lowering) and gives
-  the same greedy tokens and the same logits as the model's own products."""
+  """`layers.row_product` with its threshold at 0 (the `two_row_products` variant: every one-row
+  product run as a two-row GEMM, the zero row dropped) is what a one-token forward runs (two
+  barriers per projection in its lowering) and gives the same greedy tokens and the same logits as
+  one-row products; the tiny model's matrices are below the default threshold, so `want` is those."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -202,7 +203,7 @@ def test_two_row_products_change_no_value(monkeypatch):
     return tokens, np.asarray(forward(params, TINY_LLAMA, jnp.asarray([[4]], jnp.int32), cache)[0])
 
   want_tokens, want_logits = run()
-  monkeypatch.setattr(layers.Linear, "__call__", layers.Linear.__call__)     # restored after the test
+  monkeypatch.setattr(layers, "TWO_ROW_MIN_ELEMENTS", layers.TWO_ROW_MIN_ELEMENTS)     # restored after the test
   module.PATCHES["two_row_products"]()
   got_tokens, got_logits = run()
   cache = KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)

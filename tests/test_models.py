@@ -198,3 +198,25 @@ def test_real_smollm2_greedy_continuation(smollm2_jax, smollm2_hf):
   _assert_same_greedy(smollm2_hf, REAL_PROMPT, ours, theirs)
 
 
+
+
+def test_row_product_two_rows_for_wide_matrices_same_values():
+  """`layers.row_product`: a one-row product with a weight of TWO_ROW_MIN_ELEMENTS or more lowers to
+  the two-row GEMM (its two optimization barriers) and equals the plain product; narrower weights
+  and several rows lower to the plain product (no barrier)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from specjax.models import layers
+  d_in, d_out = 512, layers.TWO_ROW_MIN_ELEMENTS // 512          # exactly at the threshold
+  w = jax.random.normal(jax.random.key(0), (d_in, d_out), jnp.float32) * d_in ** -0.5
+  x = jax.random.normal(jax.random.key(1), (1, 1, d_in), jnp.float32)
+  barriers = lambda x, w: jax.jit(layers.row_product).lower(x, w).as_text().count("optimization_barrier")
+  assert barriers(x, w) == 2
+  assert barriers(x, w[:, :-1]) == 0                              # one element under the threshold
+  assert barriers(jnp.concatenate([x, x], axis=1), w) == 0       # two rows: a GEMM already
+  want = jnp.einsum("...i,io->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+  got = layers.row_product(x, w)
+  assert got.shape == (1, 1, d_out) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
