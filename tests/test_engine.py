@@ -239,12 +239,15 @@ def test_draft_params_apply_per_sequence(tiny_llama, noisy_drafter, plain3):
   assert no_min.tokens[0] == plain3[2]
 
 
-def test_p_min_and_n_max_cut_the_draft(tiny_llama, noisy_drafter):
+@pytest.mark.parametrize("loop", [dict(), dict(block=1), dict(block=2), dict(unroll=False)],
+                         ids=["unrolled", "blocks-of-1", "blocks-of-2", "while"])
+def test_p_min_and_n_max_cut_the_draft(tiny_llama, noisy_drafter, loop):
   """`DraftModelDrafter.propose` drafts the draft model's greedy chain and stops before the first
   token whose draft probability is below the sequence's p_min, and after n_max tokens: rows with
-  different (n_max, p_min) on the same context get exactly those lengths."""
+  different (n_max, p_min) on the same context get exactly those lengths, whichever way the draft
+  steps run (all unrolled, early-exit blocks of 1 or 2 unrolled steps, a while_loop)."""
   cfg, _ = tiny_llama
-  d = noisy_drafter
+  d = dataclasses.replace(noisy_drafter, **loop)
   dparams = d.params()
   prompt, last = [9, 2, 6, 5, 3, 5, 8], 1
   n = len(prompt)
@@ -283,6 +286,33 @@ def test_p_min_and_n_max_cut_the_draft(tiny_llama, noisy_drafter):
   assert lengths == want, f"(n_max, p_min) rows {rows}: lengths {lengths}, want {want} (confidences {conf})"
   for r, length in enumerate(want):
     assert np.asarray(draft.tokens)[r, :length].tolist() == chain[:length]
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_early_exit_blocks_draft_what_the_unrolled_drafter_drafts(tiny_llama, noisy_drafter, plain3, block):
+  """Draft steps in early-exit blocks (after the first steps, blocks of `block` unrolled steps in a
+  while_loop that stops once every sequence stopped drafting) give the fully unrolled drafter's
+  rounds exactly: the same tokens, rounds and per-position draft counts, with p_min cutting drafts
+  short, and plain decoding's greedy output."""
+  cfg, params = tiny_llama
+  # p_min: the median of the draft model's top-1 probability along the plain outputs, so drafts
+  # stop early often (whole batches too) but not always, whatever the weights
+  conf = []
+  for prompt, out in zip(PROMPTS3, plain3):
+    ctx = jnp.asarray([prompt + out], jnp.int32)
+    d_logits, _, _ = forward(noisy_drafter.weights, cfg, ctx, KVCache.init(cfg, 1, ctx.shape[1] + 8))
+    conf += np.asarray(jax.nn.softmax(d_logits[0], -1).max(-1)).tolist()
+  dp = DraftParams(n_max=K, n_min=0, p_min=float(np.median(conf)))
+  ref = speculative_generate(params, cfg, PROMPTS3, dataclasses.replace(noisy_drafter, block=0),
+                             max_new_tokens=MAX_NEW, draft_params=dp)
+  got = speculative_generate(params, cfg, PROMPTS3, dataclasses.replace(noisy_drafter, block=block),
+                             max_new_tokens=MAX_NEW, draft_params=dp)
+  assert ref.stats.drafted_by_pos[0] > ref.stats.drafted_by_pos[K - 1], "p_min must cut some drafts short"
+  assert got.tokens == ref.tokens
+  assert (got.stats.rounds, got.stats.gen_tokens, got.stats.acc_tokens) == (ref.stats.rounds, ref.stats.gen_tokens,
+                                                                            ref.stats.acc_tokens)
+  assert got.stats.drafted_by_pos == ref.stats.drafted_by_pos
+  _assert_lossless(params, cfg, PROMPTS3, got.tokens, plain3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,6 +57,14 @@ def _names() -> list[str]:
   return list(speculator_spec.names())
 
 
+@pytest.fixture(autouse=True)
+def _example_plugin_registered():
+  """The example plugin ('corpus') registered when a test runs, not only when this file was
+  collected: another file's fixture in the same process may have unregistered it since."""
+  if "corpus" not in speculator_spec.names():
+    speculator_spec.load_plugin(str(EXAMPLE_PLUGIN))
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
   folder = tmp_path_factory.mktemp("word_tokenizer")

@@ -83,6 +83,10 @@ class DraftModelDrafter(DeviceDrafter):
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   unroll: bool = True          # draft steps unrolled (no per-step loop condition read by the host);
                                # False: a while_loop that stops once every sequence fell below p_min
+  block: int = 4               # unrolled: with more than `block` steps after the first token, the
+                               # rest run as blocks of `block` unrolled steps in a while_loop that
+                               # stops once every sequence stopped (below p_min or at its n_max),
+                               # one condition read a block; 0: every step unrolled
   name: str = "draft"
   taps: tuple[int, ...] = ()
   kv_on_model: bool = False      # KV caches split over "model" (set by `parallel.place_drafter`)
@@ -119,11 +123,22 @@ class DraftModelDrafter(DeviceDrafter):
       return i + 1, cache, tokens, active, lengths + active.astype(jnp.int32)
 
     carry = (jnp.int32(1), cache, tokens0, active0, lengths0)
-    if self.unroll:
-      for _ in range(1, k):
+    steps = k - 1
+    if not self.unroll:
+      carry = jax.lax.while_loop(cond, body, carry)
+    elif self.block <= 0 or steps <= self.block:
+      for _ in range(steps):
         carry = body(carry)
     else:
-      carry = jax.lax.while_loop(cond, body, carry)
+      # the first steps % block unrolled, then whole blocks: the loop never runs past step k - 1
+      for _ in range(steps % self.block):
+        carry = body(carry)
+
+      def block_body(c):
+        for _ in range(self.block):
+          c = body(c)
+        return c
+      carry = jax.lax.while_loop(cond, block_body, carry)
     _, cache, tokens, _, lengths = carry
     new_state = DraftModelState(cache=cache, base=ctx.target_len, end=cache.lengths)
     return Draft(tokens=tokens, lengths=lengths), new_state

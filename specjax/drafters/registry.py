@@ -199,7 +199,10 @@ for _spec in (
                        _int("max_cached_requests", 100000, "earlier requests kept in the global tree", low=0))),
     SpeculatorSpec("draft", _draft, "a smaller draft model (--draft-model) drafts a chain", where="device",
                    needs_draft_model=True, example=_example_draft_model,
-                   options=(Option("unroll", bool, True, "unroll the draft loop in the program"),)),
+                   options=(Option("unroll", bool, True, "unroll the draft loop in the program"),
+                            _int("block", 4, "unrolled: past this many steps, blocks of this many steps "
+                                 "that stop once every sequence stopped drafting (0: never stop early)",
+                                 low=0))),
     SpeculatorSpec("draft_tree", _draft_tree, "a draft model drafts a token tree", where="device", tree=True,
                    needs_draft_model=True, example=lambda t, w: _example_draft_model(t, w, depth=2, top_k=2),
                    options=(_int("depth", 3, "tree depth"), _int("top_k", 2, "children per expanded node"),
