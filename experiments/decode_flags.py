@@ -55,6 +55,8 @@ VARIANTS = {
     # (`one_row_products`; the model's default does so for wide matrices only, `layers.row_product`)
     "two_row_products": "",
     "one_row_products": "",
+    # every weight stored [out, in] and multiplied against that layout (`transposed_products`)
+    "transposed_products": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
@@ -84,8 +86,37 @@ def one_row_products() -> None:
   layers.TWO_ROW_MIN_ELEMENTS = 1 << 62
 
 
+def transposed_products() -> None:
+  """Every linear layer's weight stored as [out, in] (the LM head's too) and its product taken
+  against that layout, in this child process only: a one-row product then reduces along each
+  weight row's contiguous memory, which XLA can fuse with the multiply without writing the f32
+  product. Random weights are drawn as usual and transposed at construction; values unchanged."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from specjax.models import decoder, layers
+  init, head = layers.Linear.__init__, decoder.Transformer.head
+
+  def init_t(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.kernel = nnx.Param(self.kernel[...].T)                                            # [out, in]
+
+  def call_t(self, x):
+    w = self.kernel[...]
+    y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+
+  def head_t(self, h):
+    if self.lm_head is None or self.cfg.invariant:
+      return head(self, h)
+    w = self.lm_head.kernel[...]                                                            # [V, d]
+    return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+  layers.Linear.__init__, layers.Linear.__call__, decoder.Transformer.head = init_t, call_t, head_t
+
+
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
-PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products}
+PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
+           "transposed_products": transposed_products}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",

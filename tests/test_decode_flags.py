@@ -212,3 +212,42 @@ def test_two_row_products_change_no_value(monkeypatch):
   assert lowered.as_text().count("optimization_barrier") == 2 * 4 * TINY_LLAMA.n_layers   # the patch ran: 4 projections
   assert got_tokens == want_tokens
   np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_transposed_products_change_no_value(monkeypatch):
+  """The `transposed_products` variant's patch stores every linear weight [out, in] (the same draws,
+  transposed) and multiplies against that layout: the same greedy tokens and logits as the model's
+  own layout, on a tied and an untied (LM head through the patched head) tiny model."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from conftest import TINY_LLAMA
+  from specjax.engine.decode import generate_plain
+  from specjax.models import decoder, layers
+  from specjax.models.decoder import forward, init_params
+  from specjax.models.kv_cache import KVCache
+  sys.path.insert(0, str(ROOT / "experiments"))
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+
+  def run(cfg):
+    jax.clear_caches()
+    params = init_params(cfg, seed=0)                                  # drawn by the (patched) modules
+    tokens = generate_plain(params, cfg, [[3, 7, 1, 12, 5]], max_new_tokens=10, capacity=128).tokens
+    cache = KVCache.init(cfg, 1, 64, dtype=jnp.float32)
+    _, _, cache = forward(params, cfg, jnp.asarray([[3, 7, 1, 12, 5]], jnp.int32), cache)
+    shapes = {tuple(x.shape) for x in jax.tree_util.tree_leaves(params)}
+    return tokens, np.asarray(forward(params, cfg, jnp.asarray([[4]], jnp.int32), cache)[0]), shapes
+
+  for cfg in (TINY_LLAMA, TINY_LLAMA.replace(tie_embeddings=False)):
+    want_tokens, want_logits, want_shapes = run(cfg)
+    for obj, name in ((layers.Linear, "__init__"), (layers.Linear, "__call__"), (decoder.Transformer, "head")):
+      monkeypatch.setattr(obj, name, getattr(obj, name))                     # restored after the test
+    module.PATCHES["transposed_products"]()
+    got_tokens, got_logits, got_shapes = run(cfg)
+    monkeypatch.undo()
+    assert got_shapes != want_shapes                                          # the patch ran: kernels [out, in]
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
