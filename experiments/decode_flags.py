@@ -57,6 +57,8 @@ VARIANTS = {
     "one_row_products": "",
     # every weight stored [out, in] and multiplied against that layout (`transposed_products`)
     "transposed_products": "",
+    # the greedy token as a bare argmax, no conditional between it and the sampled draw (`greedy_argmax`)
+    "greedy_argmax": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
@@ -114,9 +116,22 @@ def transposed_products() -> None:
   layers.Linear.__init__, layers.Linear.__call__, decoder.Transformer.head = init_t, call_t, head_t
 
 
+def greedy_argmax() -> None:
+  """A decode step's token as the logits' argmax alone, in this child process only (every row of
+  this benchmark is greedy): no `lax.cond` between the argmax and the sampled draw, so the step's
+  cost of that conditional (a predicate read, or a graph node) shows against `default`."""
+  import jax.numpy as jnp
+
+  from specjax.engine import decode
+
+  def argmax(logits, params, keys):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  decode.next_token = argmax
+
+
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
 PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
-           "transposed_products": transposed_products}
+           "transposed_products": transposed_products, "greedy_argmax": greedy_argmax}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
