@@ -14,7 +14,8 @@
 # Environment: METHODS [ngram_simple_tuned,mtp_n3,dflash_tree_32]: method names of CONFIG (it also
 # has ngram_simple_tuned_adaptive, mtp_n3_adaptive, eagle3_tree_48, dflash_tree_32_adaptive); CONFIG
 # [configs/bench_serve_smollm2.yaml]; NAME [the config's file stem]: output file stem; TIMEOUT [540]
-# seconds; the rest as in bootstrap.sh (OUT required). Further arguments go to `specjax bench-serve`
+# seconds; RETURN_CACHE [0]: 1 returns the compile cache in pieces (bootstrap.sh's return_jax_cache;
+# carried back, the next machine's servers skip those compilations); the rest as in bootstrap.sh (OUT required). Further arguments go to `specjax bench-serve`
 # (--concurrency 1,64, --num-prompts N, --prompts-per-client N, --max-tokens N, --client-processes N,
 # --no-plain).
 # Example:  OUT=/tmp/o bash experiments/gpu/bench_serve.sh
@@ -39,4 +40,5 @@ print('rev', r['git_rev'], 'on', r['device']['device_kind']);
        f\"({s.get('compile_s')} s)  rounds by batch {s.get('rounds_by_batch')}  thread s {s.get('model_thread_s')}\")
  for s in r['rows']]" \
   "$OUT/$NAME.json" || true
+if [ "${RETURN_CACHE:-0}" = 1 ]; then return_jax_cache; fi
 ls -la "$OUT"

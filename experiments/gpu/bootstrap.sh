@@ -17,7 +17,8 @@
 # DATA_CARRY [.data], CHUNKS [.weights/*.part*], MODEL [smollm2-135m-instruct], DRAFT_MODEL [none],
 # CARRY_PERSIST [.gpucarry/persist], OUT (required: the folder whose files come back).
 # SMOKE=1: a CPU-sized run on this machine (nothing installed; WORK defaults to out/smoke).
-# Defines: device_kind, bars (progress bars filtered), timed_run TAG SECONDS CMD..., spec_fields.
+# Defines: device_kind, bars (progress bars filtered), timed_run TAG SECONDS CMD..., spec_fields,
+# return_jax_cache [MAX_MB] (the compile cache back in $OUT; JAX_CACHE_CARRY [.gpucarry/jax_cache] seeds it).
 # Example:  OUT=/tmp/o bash experiments/gpu/bootstrap.sh python experiments/bench_decode.py --batch 1 8 --out /tmp/o/decode.json
 set -e
 cd "$(git rev-parse --show-toplevel 2>/dev/null || dirname "${BASH_SOURCE[0]}")"
@@ -52,6 +53,24 @@ if [ "${SMOKE:-0}" != 1 ]; then
     fi
   done
 fi
+# a compile cache an earlier machine returned (`return_jax_cache` below), carried back as
+# $JAX_CACHE_CARRY/jax_cache.tgz.part*: unpacked once into $SPECJAX_HOME, so servers and benchmarks
+# load what that machine compiled (XLA keys each entry by program, options, jax and device)
+JAX_CACHE_CARRY=${JAX_CACHE_CARRY:-.gpucarry/jax_cache}
+if ls "$JAX_CACHE_CARRY"/jax_cache.tgz.part* >/dev/null 2>&1 && [ ! -f "$SPECJAX_HOME/.jax_cache_seeded" ]; then
+  cat "$JAX_CACHE_CARRY"/jax_cache.tgz.part* | tar xzf - -C "$SPECJAX_HOME" && touch "$SPECJAX_HOME/.jax_cache_seeded"
+  echo "[bootstrap] compile cache seeded: $(ls "$SPECJAX_HOME/jax_cache" | wc -l) entries"
+fi
+# the compile cache into $OUT as jax_cache.tgz.partNN of 15 MB (what comes back: at most 8 files of
+# 16 MiB, 64 MiB in all), when it packs into MAX_MB [45]; carry the pieces back in JAX_CACHE_CARRY
+return_jax_cache() {
+  local max=${1:-45} tgz=$WORK/jax_cache.tgz
+  [ -d "$SPECJAX_HOME/jax_cache" ] || { echo "[bootstrap] no compile cache to return"; return 0; }
+  tar czf "$tgz" -C "$SPECJAX_HOME" jax_cache
+  local mb=$(( $(stat -c %s "$tgz") / 1048576 ))
+  if [ "$mb" -gt "$max" ]; then echo "[bootstrap] compile cache is $mb MB (> $max): not returned"; return 0; fi
+  split -b 15M -d "$tgz" "$OUT/jax_cache.tgz.part" && echo "[bootstrap] compile cache returned: $mb MB"
+}
 CARRY_PERSIST=${CARRY_PERSIST:-.gpucarry/persist}
 [ -d "$CARRY_PERSIST" ] && cp -rn "$CARRY_PERSIST/." "$PERSIST/"
 while IFS= read -r size; do
