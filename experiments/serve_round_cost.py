@@ -25,6 +25,8 @@ Every configuration runs once untimed (compilation) and --repeats times timed (t
 --trace profiles one more request of every row (`jax.profiler`; on a GPU): the device's busy time,
 kernels and the gaps between them per round, and kernels by kind and name (`profile_decode_trace`),
 so the engine's and the server's rounds can be compared kernel by kernel (--trace-dir keeps the traces).
+--prefill-rows N... adds, per --slots, the time of prefilling N requests at once: until
+`SlotEngine.prefill` returns and until the state is ready (does a prefill call block the host?).
 The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 
   python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
@@ -155,6 +157,37 @@ def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -
   return 1e3 * statistics.median(times[1:]), rounds, (args.new_tokens - 1) / max(rounds, 1), profile   # the first token is the prefill's
 
 
+def serve_prefill_ms(target, prompt, args, slots: int, n_rows: int) -> dict:
+  """Median ms of prefilling `n_rows` requests of the prompt at once (slots 0..n_rows-1): until
+  `SlotEngine.prefill` returns on the host ("dispatch") and until the slot state is ready
+  ("ready"). Dispatch near ready means the call waits for the device (a host read inside the
+  program, say), not that it only queues the work."""
+  buckets = [n for n in (1, 8, 32, 64) if n <= slots]
+  spec = speculator_args(target, args)
+  engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
+                        rounds_per_call=1, **spec).scheduler.engine
+  rows = list(range(n_rows))
+
+  def once() -> tuple[float, float, int]:
+    joins = [engine.begin_join(prompt, slot=i, draft=DraftParams(n_max=args.n_max if spec else 0),
+                               max_new=args.new_tokens) for i in rows]
+    jax.block_until_ready((engine.state, engine.dstate))
+    t0, calls = time.perf_counter(), 0
+    while not engine.prefill(joins):                              # same prompt: every row ends at once
+      calls += 1
+    t1 = time.perf_counter()
+    jax.block_until_ready((engine.state, engine.dstate))
+    t2 = time.perf_counter()
+    engine.first_tokens()
+    engine.finish(rows)
+    return t1 - t0, t2 - t0, calls + 1
+
+  runs = [once() for _ in range(args.repeats + 1)][1:]
+  return {"what": "serve prefill", "slots": slots, "rows": n_rows, "calls": runs[0][2],
+          "dispatch_ms": round(1e3 * statistics.median(r[0] for r in runs), 4),
+          "ready_ms": round(1e3 * statistics.median(r[1] for r in runs), 4)}
+
+
 @dataclasses.dataclass
 class Timed:
   seconds: float
@@ -202,6 +235,8 @@ def main(argv=None) -> int:
                   help="profile one more request of each row: device busy time, kernels and gaps per round")
   ap.add_argument("--trace-top", type=int, default=12, help="kernels by name kept per profile")
   ap.add_argument("--trace-dir", default=None, help="keep each profile's perfetto trace here")
+  ap.add_argument("--prefill-rows", type=int, nargs="*", default=[],
+                  help="also time prefilling this many requests at once (dispatch vs ready), per --slots")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
   target, prompt = load_target(args)
@@ -216,12 +251,21 @@ def main(argv=None) -> int:
                    "rounds": rounds, "tokens_per_round": round(rate, 3), "ratio_to_engine": round(ms / rows[0]["ms"], 3) if rows[0]["ms"] > 0 else None,
                    **({"profile": profile} if profile else {})})
       print(json.dumps(rows[-1]), flush=True)
+  for slots in args.slots:
+    for n_rows in args.prefill_rows:
+      if n_rows <= slots:
+        rows.append(serve_prefill_ms(target, prompt, args, slots, n_rows))
+        print(json.dumps(rows[-1]), flush=True)
   out = {"experiment": "serve_round_cost", "config": {k: v for k, v in vars(args).items() if k != "out"},
          "git_revision": git_revision(), "device": device_info(), "prompt_tokens": len(prompt), "rows": rows}
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
   print(f"{args.speculator or 'plain'}: {'what':20s} {'slots':>5s} {'rounds/call':>11s} {'ms':>8s} {'tokens/round':>12s}")
   for r in rows:
+    if r["what"] == "serve prefill":
+      print(f"{r['what']:20s} {r['slots']:>5} {r['rows']:>4} rows: dispatch {r['dispatch_ms']:8.3f} ms, "
+            f"ready {r['ready_ms']:8.3f} ms ({r['calls']} calls)")
+      continue
     print(f"{r['what']:20s} {r['slots'] or '-':>5} {r['rounds_per_call'] or '-':>11} {r['ms']:8.3f} "
           f"{r['tokens_per_round']:12.2f}")
   for r in rows:

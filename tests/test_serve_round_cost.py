@@ -2,7 +2,7 @@
 
 A tiny float32 target: the engine's decode step timed at two lengths (24 and 48 tokens: long enough
 that the difference of their times is not lost in a busy machine's noise), and a one-request serving
-round on 1 and 4 slots at 1 and 8 rounds per call. Checked: every row present with a positive ms,
+round on 1 and 4 slots at 1 and 8 rounds per call, and prefills of 1 and 4 requests. Checked: every row present with a positive ms,
 each serving row ran as many rounds as the request had tokens to make (one token per plain round,
 the first coming from the prefill), and the JSON names its configuration.
 """
@@ -23,13 +23,16 @@ def test_tiny_serve_round_cost_has_every_row(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
   r = subprocess.run([sys.executable, str(ROOT / "experiments" / "serve_round_cost.py"), "--tiny", "--new-tokens", "48",
                       "--capacity", "128", "--slots", "1", "4", "--rounds-per-call", "1", "8", "--repeats", "3",
-                      "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                      "--prefill-rows", "1", "4", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   res = json.loads(out.read_text())
   rows = res["rows"]
   assert rows[0]["what"] == "engine decode step" and rows[0]["ms"] > 0
-  serve = {(x["slots"], x["rounds_per_call"]): x for x in rows[1:]}
+  serve = {(x["slots"], x["rounds_per_call"]): x for x in rows[1:] if x["what"] == "serve round"}
   assert set(serve) == {(1, 1), (1, 8), (4, 1), (4, 8)}
+  prefill = {(x["slots"], x["rows"]): x for x in rows if x["what"] == "serve prefill"}
+  assert set(prefill) == {(1, 1), (4, 1), (4, 4)}                          # 4 rows only where 4 slots are
+  assert all(x["calls"] == 1 and 0 < x["dispatch_ms"] <= x["ready_ms"] for x in prefill.values())
   assert all(x["ms"] > 0 and x["rounds"] == 47 and x["ratio_to_engine"] > 0 for x in serve.values())
   assert res["config"]["capacity"] == 128 and res["git_revision"] == "test"
 
