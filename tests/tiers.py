@@ -20,7 +20,7 @@ SLOW: dict[str, str] = {
   # sweeps whose every property a CI-tier test checks on a cheaper member
   "test_sharding.py::test_every_speculator_is_lossless_on_a_data_and_model_mesh": "registry on a mesh; CI: greedy on a mesh, sampled law on a mesh, every speculator on one device",
   "test_sharding.py::test_two_processes_give_the_one_process_tokens": "two jax.distributed processes",
-  "test_sharding.py::test_greedy_output_is_the_one_device_output_on_every_mesh[3]": "a third mesh shape",
+  "test_sharding.py::test_greedy_output_is_the_one_device_output_on_every_mesh[3]": "batch 3 padded over (2, 4); CI: batch 1 on (2, 4)",
   "test_sharding.py::test_smollm2_shards_over_model_2_padded_with_the_one_device_tokens": "CI: padded kv heads on the tiny target",
   "test_sharding.py::test_heads_split_over_the_model_axis_keep_the_one_device_output": "head placement on a mesh",
   "test_partition_layout.py": "model-axis layout of every arch; CI: sharding tests",
