@@ -235,7 +235,8 @@ def main(argv=None) -> int:
   ap.add_argument("--model", default="smollm2-135m-instruct")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--random-shape", action="store_true", help="a model's shapes with random weights (--shape)")
-  ap.add_argument("--shape", default="smollm2", choices=["smollm2", "qwen2.5-1.5b", "llama-3.1-8b"],
+  from sharding_bench import RANDOM_SHAPES
+  ap.add_argument("--shape", default="smollm2", choices=sorted(RANDOM_SHAPES),
                   help="whose shapes --random-shape takes (default smollm2)")
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (a CPU dry run)")
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])

@@ -127,13 +127,19 @@ def engine_ms_per_step(target, prompt, args) -> tuple[float, float, dict | None]
   return 1e3 * statistics.median(diffs), statistics.median(rates), profile
 
 
+def slot_engine(target, args, slots: int, rounds_per_call: int):
+  """`build_server`'s SlotEngine for `slots` (batch buckets up to it) and the speculator's arguments."""
+  spec = speculator_args(target, args)
+  engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4,
+                        buckets=[n for n in (1, 8, 32, 64) if n <= slots], rounds_per_call=rounds_per_call,
+                        **spec).scheduler.engine
+  return engine, spec
+
+
 def serve_ms_per_round(target, prompt, args, slots: int, rounds_per_call: int) -> tuple[float, int, float, dict | None]:
   """Median ms per round of `SlotEngine.step` for one request of --new-tokens, its rounds and its
   tokens per round; with --trace also the profile of one more request (`profile_rounds`)."""
-  buckets = [n for n in (1, 8, 32, 64) if n <= slots]
-  spec = speculator_args(target, args)
-  engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
-                        rounds_per_call=rounds_per_call, **spec).scheduler.engine
+  engine, spec = slot_engine(target, args, slots, rounds_per_call)
 
   def one_request() -> Timed:
     j = engine.begin_join(prompt, slot=0, draft=DraftParams(n_max=args.n_max if spec else 0), max_new=args.new_tokens)
@@ -162,10 +168,7 @@ def serve_prefill_ms(target, prompt, args, slots: int, n_rows: int) -> dict:
   `SlotEngine.prefill` returns on the host ("dispatch") and until the slot state is ready
   ("ready"). Dispatch near ready means the call waits for the device (a host read inside the
   program, say), not that it only queues the work."""
-  buckets = [n for n in (1, 8, 32, 64) if n <= slots]
-  spec = speculator_args(target, args)
-  engine = build_server(target, slots=slots, capacity=args.capacity, max_queue=4, buckets=buckets,
-                        rounds_per_call=1, **spec).scheduler.engine
+  engine, spec = slot_engine(target, args, slots, 1)
   rows = list(range(n_rows))
 
   def once() -> tuple[float, float, int]:

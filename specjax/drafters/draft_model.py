@@ -82,7 +82,8 @@ class DraftModelDrafter(DeviceDrafter):
   max_draft: int = 8
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
   unroll: bool = True          # draft steps unrolled (no per-step loop condition read by the host);
-                               # False: a while_loop that stops once every sequence fell below p_min
+                               # False: a while_loop of single steps that stops once every sequence
+                               # stopped drafting (as blocks of 1)
   block: int = 4               # unrolled: with more than `block` steps after the first token, the
                                # rest run as blocks of `block` unrolled steps in a while_loop that
                                # stops once every sequence stopped (below p_min or at its n_max),
@@ -123,19 +124,17 @@ class DraftModelDrafter(DeviceDrafter):
       return i + 1, cache, tokens, active, lengths + active.astype(jnp.int32)
 
     carry = (jnp.int32(1), cache, tokens0, active0, lengths0)
-    steps = k - 1
-    if not self.unroll:
-      carry = jax.lax.while_loop(cond, body, carry)
-    elif self.block <= 0 or steps <= self.block:
+    steps, block = k - 1, self.block if self.unroll else 1     # no unrolling: blocks of one step
+    if block <= 0 or steps <= block:
       for _ in range(steps):
         carry = body(carry)
     else:
       # the first steps % block unrolled, then whole blocks: the loop never runs past step k - 1
-      for _ in range(steps % self.block):
+      for _ in range(steps % block):
         carry = body(carry)
 
       def block_body(c):
-        for _ in range(self.block):
+        for _ in range(block):
           c = body(c)
         return c
       carry = jax.lax.while_loop(cond, block_body, carry)

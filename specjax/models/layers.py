@@ -24,9 +24,9 @@ NEG_INF = verify_attention.NEG_INF
 # A one-row product (a batch-1 decode step) whose weight has at least this many elements runs as a
 # two-row GEMM. XLA's GPU compiler rewrites a one-row product as a broadcast multiply and a
 # reduction, and for wide matrices it writes that multiply's whole float32 [in, out] product to
-# memory before reducing it: for Qwen2.5-1.5B's shapes a batch-1 step took 2.15 ms that way against
-# 1.70 ms with every projection as a two-row GEMM. Below this size (all of SmolLM2's projections) the
-# extra row costs more than the write it saves.
+# memory before reducing it, which costs more than the GEMM's extra row; for narrow ones (every
+# projection of SmolLM2) the extra row costs more than the write it saves (experiments/README.md,
+# "How fast is plain decoding?").
 TWO_ROW_MIN_ELEMENTS = 1 << 21
 
 
