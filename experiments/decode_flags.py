@@ -55,10 +55,17 @@ VARIANTS = {
     # (`one_row_products`; the model's default does so for wide matrices only, `layers.row_product`)
     "two_row_products": "",
     "one_row_products": "",
-    # every weight stored [out, in] and multiplied against that layout (`transposed_products`)
-    "transposed_products": "",
+    # every weight stored [in, out] (the model's layout before [out, in]) and multiplied against
+    # that layout (`in_out_products`)
+    "in_out_products": "",
     # the greedy token as a bare argmax, no conditional between it and the sampled draw (`greedy_argmax`)
     "greedy_argmax": "",
+    # a batch-1 KV-cache write as a dynamic-update-slice instead of a scatter that drops slots past
+    # the capacity (`slice_cache_write`: no out-of-range select, an in-place update)
+    "slice_cache_write": "",
+    # one-token decode attention through XLA instead of the Pallas kernel (no padded query, no
+    # split-combine; `VARIANT_ENV`)
+    "xla_decode_attention": "",
     # the command buffers off: every kernel launched on its own (what graphs buy)
     "no_command_buffer": "--xla_gpu_enable_command_buffer=",
     # XLA's defaults, every layer of a decode step through the fused Pallas kernels (`VARIANT_ENV`;
@@ -72,6 +79,7 @@ VARIANTS = {
 
 # variants that set environment variables in the child: name -> {variable: value}
 VARIANT_ENV = {name: {"SPECJAX_FUSED_DECODE": "1"} for name in ("fused_layers", "fused_cmdbuf", "fused_cmdbuf_while")}
+VARIANT_ENV["xla_decode_attention"] = {"SPECJAX_VERIFY_ATTENTION_DECODE": "0"}
 
 def two_row_products() -> None:
   """Every one-row product (a batch-1 decode step) as a two-row GEMM, in this child process only:
@@ -88,12 +96,15 @@ def one_row_products() -> None:
   layers.TWO_ROW_MIN_ELEMENTS = 1 << 62
 
 
-def transposed_products() -> None:
-  """Every linear layer's weight stored as [out, in] (the LM head's too) and its product taken
-  against that layout, in this child process only: a one-row product then reduces along each
-  weight row's contiguous memory, which XLA can fuse with the multiply without writing the f32
-  product. Random weights are drawn as usual and transposed at construction; values unchanged."""
+def in_out_products() -> None:
+  """Every linear layer's weight stored as [in, out] (an untied LM head's too) and its product
+  taken against that layout, in this child process only: the model's layout before [out, in],
+  where XLA wrote a one-row product's whole float32 product before reducing it for most
+  projections. The two-row rule (`layers.row_product`) is kept. Random weights are drawn as usual
+  and transposed at construction; values unchanged."""
+  import jax
   import jax.numpy as jnp
+  import numpy as np
   from flax import nnx
 
   from specjax.models import decoder, layers
@@ -101,18 +112,23 @@ def transposed_products() -> None:
 
   def init_t(self, *args, **kwargs):
     init(self, *args, **kwargs)
-    self.kernel = nnx.Param(self.kernel[...].T)                                            # [out, in]
+    self.kernel = nnx.Param(self.kernel[...].T)                                            # [in, out]
 
   def call_t(self, x):
     w = self.kernel[...]
-    y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if int(np.prod(x.shape[:-1])) != 1 or w.size < layers.TWO_ROW_MIN_ELEMENTS:
+      y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    else:
+      rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)]).astype(w.dtype)
+      y = jnp.einsum("mi,io->mo", jax.lax.optimization_barrier(rows), w, preferred_element_type=jnp.float32)
+      y = jax.lax.optimization_barrier(y)[0].reshape(*x.shape[:-1], w.shape[-1])
     return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
   def head_t(self, h):
     if self.lm_head is None or self.cfg.invariant:
       return head(self, h)
-    w = self.lm_head.kernel[...]                                                            # [V, d]
-    return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    w = self.lm_head.kernel[...]                                                            # [d, V]
+    return jnp.einsum("btd,dv->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
   layers.Linear.__init__, layers.Linear.__call__, decoder.Transformer.head = init_t, call_t, head_t
 
 
@@ -129,9 +145,31 @@ def greedy_argmax() -> None:
   decode.next_token = argmax
 
 
+def slice_cache_write() -> None:
+  """A batch-1 KV-cache write as one `dynamic_update_slice` at the row's length, in this child
+  process only (larger batches keep the model's write). The model's write is a per-row scatter
+  with mode="drop" (slots past the capacity dropped), which carries a select of the out-of-range
+  slots; a slice update clamps its start instead, so it writes the same values whenever the row
+  stays within the capacity (every row of this benchmark: prompt + 2 x new tokens < capacity).
+  Batched per-row slice updates (`vmap`) lower to a scatter again, hence batch 1 only."""
+  import jax
+
+  from specjax.models import kv_cache
+  write_rows = kv_cache.KVCache.write
+
+  def write(self, layer, k_new, v_new):
+    if k_new.shape[0] != 1:
+      return write_rows(self, layer, k_new, v_new)
+    at = (0, self.lengths[0], 0, 0)
+    return (jax.lax.dynamic_update_slice(self.k[layer], k_new.astype(self.k[layer].dtype), at),
+            jax.lax.dynamic_update_slice(self.v[layer], v_new.astype(self.v[layer].dtype), at))
+  kv_cache.KVCache.write = write
+
+
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
 PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
-           "transposed_products": transposed_products, "greedy_argmax": greedy_argmax}
+           "in_out_products": in_out_products, "greedy_argmax": greedy_argmax,
+           "slice_cache_write": slice_cache_write}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
@@ -247,6 +285,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", required=True)
   ap.add_argument("--one", default=None, help=argparse.SUPPRESS)        # the child's variant
   args = ap.parse_args(argv)
+  if "in_out_products" in args.variants and not (args.random_shape or args.tiny):
+    ap.error("in_out_products builds its model with random weights only: add --random-shape (or --tiny)")
   if args.one is not None:
     print("DECODE_FLAGS " + json.dumps(child(args)), flush=True)
     return 0

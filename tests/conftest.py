@@ -211,9 +211,10 @@ def perturb(params, sigma: float, seed: int):
 
 
 def place_fused(cfg: ModelConfig):
-  """(key path, x) -> x with a fused projection's columns placed by its layout (`Linear.fused`), x
-  drawn with the parts side by side ([Q | K | V], [gate | up]); other leaves as they are. Random
-  draws (weights, noise) placed so give one model per seed whatever the layout of fused columns."""
+  """(key path, x) -> x with a fused projection's outputs (axis 0: kernel rows, bias entries)
+  placed by its layout (`Linear.fused`), x drawn with the parts side by side ([Q | K | V],
+  [gate | up]); other leaves as they are. Random draws (weights, noise) placed so give one model
+  per seed whatever the layout of fused outputs."""
   from flax import nnx
 
   from specjax.models.decoder import Transformer
@@ -224,8 +225,15 @@ def place_fused(cfg: ModelConfig):
 
   def place(path, x):
     names = path_names(path)
-    return x[..., fused_order(layouts[names])] if names in layouts else x
+    return x[fused_order(layouts[names])] if names in layouts else x
   return place
+
+
+def standard_normal(rng: np.random.Generator, path, shape) -> np.ndarray:
+  """N(0, 1) of `shape` for the parameter at `path`; a kernel ([out, in]) is drawn as [in, out]
+  and transposed, so a seed gives the values it gave when kernels were stored [in, out]."""
+  last = str(getattr(path[-1], "key", getattr(path[-1], "idx", path[-1])))
+  return rng.standard_normal(shape[::-1]).T if last == "kernel" else rng.standard_normal(shape)
 
 
 def random_params(cfg: ModelConfig, seed: int):
@@ -247,8 +255,8 @@ def random_params(cfg: ModelConfig, seed: int):
     shape = leaf.shape
     if names[-1] == "embedding":
       x = rng.standard_normal(shape)
-    elif names[-1] == "kernel":
-      x = rng.standard_normal(shape) * shape[0] ** -0.5
+    elif names[-1] == "kernel":                                    # [out, in]
+      x = standard_normal(rng, path, shape) * shape[1] ** -0.5
     elif names[-1] == "bias":
       x = 0.1 * rng.standard_normal(shape)
     else:   # norm weights: 1 (or 0 with gemma's 1 + w) plus noise

@@ -133,7 +133,7 @@ def test_the_folder_s_own_layers_load_as_the_mtp_speculator(ckpt):
   assert drafter.max_draft == K and drafter.weights["target"] is target.params
   head, out = drafter.weights["heads"][0], drafter.weights["out"][0]
   same = lambda a, b: np.testing.assert_array_equal(np.asarray(a), b.detach().numpy())
-  same(head["eh_proj"]["kernel"], mtp.fc.weight.T)
+  same(head["eh_proj"]["kernel"], mtp.fc.weight)
   same(head["enorm"]["weight"], mtp.pre_e.weight)
   same(out["norm"], mtp.trunk.norm.weight)
   attn = mtp.trunk.layers[0].self_attn
@@ -142,7 +142,7 @@ def test_the_folder_s_own_layers_load_as_the_mtp_speculator(ckpt):
   c = target.cfg                                        # q / k / v rows placed by the fused layout
   qkv = fuse_rows([attn.q_proj.weight.detach().numpy(), attn.k_proj.weight.detach().numpy(),
                    attn.v_proj.weight.detach().numpy()], gated_qkv_layout(c.n_heads, c.n_kv_heads, c.head_dim))
-  np.testing.assert_array_equal(np.asarray(head["block"]["self_attn"]["qkv_proj"]["kernel"]), qkv.T)
+  np.testing.assert_array_equal(np.asarray(head["block"]["self_attn"]["qkv_proj"]["kernel"]), qkv)
   named = make_speculator("mtp", target, head=str(path), draft_params=DraftParams(n_max=K))    # --head HF_DIR
   jax.tree_util.tree_map(np.testing.assert_array_equal, named.weights["heads"], drafter.weights["heads"])
 

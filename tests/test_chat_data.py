@@ -63,10 +63,10 @@ def tiny_target(tok):
   cfg = dataclasses.replace(TINY_LLAMA, vocab_size=tok.vocab_size)
   params = random_params(cfg, seed=7)
   d = nnx.to_pure_dict(params)
-  kernel = np.asarray(d["lm_head"]["kernel"])                                # [D, V]
+  kernel = np.asarray(d["lm_head"]["kernel"])                                # [V, D]
   active = [tok.token_to_id(t) for t in ("\u0120the", "\u0120cat", "\u0120sat", ".", "<|im_end|>")]
   out = np.zeros_like(kernel)
-  out[:, active] = 10 * kernel[:, active]
+  out[active] = 10 * kernel[active]
   d["lm_head"]["kernel"] = jnp.asarray(out)
   nnx.replace_by_pure_dict(params, d)
   return LoadedModel(name="tiny-smol", cfg=cfg, params=params, tokenizer=tok, source="tiny-smol")

@@ -214,10 +214,10 @@ def test_two_row_products_change_no_value(monkeypatch):
   np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=1e-6)
 
 
-def test_transposed_products_change_no_value(monkeypatch):
-  """The `transposed_products` variant's patch stores every linear weight [out, in] (the same draws,
-  transposed) and multiplies against that layout: the same greedy tokens and logits as the model's
-  own layout, on a tied and an untied (LM head through the patched head) tiny model."""
+def test_in_out_products_change_no_value(monkeypatch):
+  """The `in_out_products` variant's patch stores every linear weight [in, out] (the same draws,
+  transposed; the layout before [out, in]) and multiplies against that layout: the same greedy
+  tokens and logits as the model's own layout, on a tied and an untied (LM head through the patched head) tiny model."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -245,9 +245,56 @@ def test_transposed_products_change_no_value(monkeypatch):
     want_tokens, want_logits, want_shapes = run(cfg)
     for obj, name in ((layers.Linear, "__init__"), (layers.Linear, "__call__"), (decoder.Transformer, "head")):
       monkeypatch.setattr(obj, name, getattr(obj, name))                     # restored after the test
-    module.PATCHES["transposed_products"]()
+    module.PATCHES["in_out_products"]()
     got_tokens, got_logits, got_shapes = run(cfg)
     monkeypatch.undo()
-    assert got_shapes != want_shapes                                          # the patch ran: kernels [out, in]
+    assert got_shapes != want_shapes                                          # the patch ran: kernels [in, out]
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_slice_cache_write_changes_no_value(monkeypatch):
+  """The `slice_cache_write` variant's patch (a batch-1 KV-cache write as a slice update instead of
+  a scatter that drops slots past the capacity) writes the same caches within the capacity: the
+  same greedy tokens for one prompt and for a ragged batch of two (which keeps the scatter), and
+  bitwise the same keys and values after a prefill and a one-token step; the batch-1 step's
+  lowering has no scatter."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from conftest import TINY_LLAMA, random_params
+  from specjax.engine.decode import generate_plain
+  from specjax.models import kv_cache
+  from specjax.models.decoder import forward
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params = random_params(TINY_LLAMA, seed=0)
+  prompts = [[3, 7, 1, 12, 5], [9, 2]]
+
+  def run():
+    jax.clear_caches()
+    tokens = [generate_plain(params, TINY_LLAMA, p, max_new_tokens=10, capacity=128).tokens
+              for p in (prompts[:1], prompts)]
+    cache = kv_cache.KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)
+    _, _, cache = forward(params, TINY_LLAMA, jnp.asarray([prompts[0]], jnp.int32), cache)
+    _, _, cache = forward(params, TINY_LLAMA, jnp.asarray([[4]], jnp.int32), cache)
+    return tokens, [np.asarray(x) for x in jax.tree_util.tree_leaves(cache)]
+
+  def step_text():
+    cache = kv_cache.KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)
+    return jax.jit(lambda p, t, c: forward(p, TINY_LLAMA, t, c)[2]).lower(params, jnp.ones((1, 1), jnp.int32),
+                                                                          cache).as_text()
+
+  want_tokens, want_cache = run()
+  want_text = step_text()
+  monkeypatch.setattr(kv_cache.KVCache, "write", kv_cache.KVCache.write)          # restored after the test
+  module.PATCHES["slice_cache_write"]()
+  got_tokens, got_cache = run()
+  got_text = step_text()
+  jax.clear_caches()
+  assert "scatter" in want_text and "scatter" not in got_text                    # the patch ran
+  assert got_tokens == want_tokens
+  for got, want in zip(got_cache, want_cache):
+    np.testing.assert_array_equal(got, want)

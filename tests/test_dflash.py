@@ -117,7 +117,7 @@ def test_config_shapes_and_file_format(tiny_llama, tmp_path):
   dc = DFlashConfig(taps=(0, 1), n_layers=2, block_size=5, window=6)
   dp = init_dflash(cfg, dc, seed=3, target_params=params)
   d = cfg.d_model
-  assert dp["fc"]["kernel"].shape == (2 * d, d) and dp["mask_embedding"].shape == (d,)
+  assert dp["fc"]["kernel"].shape == (d, 2 * d) and dp["mask_embedding"].shape == (d,)
   assert set(dp["layers"]) == {0, 1}
   w, c = save_dflash(tmp_path / "dflash.safetensors", dp, cfg, dc, extra={"note": "test"})
   from safetensors.numpy import load_file

@@ -175,8 +175,8 @@ def _zlab_logits(t, target, ctx_taps, ids, start):
     h = norm(x, g("post_attention_layernorm.weight"))
     gate = h @ g("mlp.gate_proj.weight").T
     x = x + (gate / (1 + np.exp(-gate)) * (h @ g("mlp.up_proj.weight").T)) @ g("mlp.down_proj.weight").T
-  head = np.asarray(tp["lm_head"]["kernel"], np.float64)                          # [D, V]
-  return (norm(x, t["norm.weight"]) @ head)[1:]
+  head = np.asarray(tp["lm_head"]["kernel"], np.float64)                          # [V, D]
+  return (norm(x, t["norm.weight"]) @ head.T)[1:]
 
 
 def test_a_reference_folder_loads_drafts_as_zlab_and_losslessly(target, tmp_path):

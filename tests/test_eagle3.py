@@ -113,9 +113,9 @@ def test_head_shapes_and_step(tiny_llama):
   hp = init_head(hc, 0)
   d = cfg.d_model
   assert hc.tap_layers == (1, 0, 0) and hc.taps == (0, 1) and hc.tap_slots == (1, 0, 0)
-  assert hp["fc"]["kernel"].shape == (3 * d, d)
-  assert hp["midlayer"]["self_attn"]["qkv_proj"]["kernel"].shape == (2 * d, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
-  assert hp["lm_head"]["kernel"].shape == (d, VD)
+  assert hp["fc"]["kernel"].shape == (d, 3 * d)
+  assert hp["midlayer"]["self_attn"]["qkv_proj"]["kernel"].shape == ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, 2 * d)
+  assert hp["lm_head"]["kernel"].shape == (VD, d)
   b, t, cap = 3, 5, 16
   rng = np.random.default_rng(0)
   emb, h = (jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32) for _ in range(2))

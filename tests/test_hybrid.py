@@ -112,7 +112,7 @@ def test_config_and_weights_load(hf_ckpt):
   _, cfg, params, path = hf_ckpt
   assert cfg.layer_types == ("linear", "full", "linear") and cfg.rotary_dim == 4
   assert (cfg.lin_k_heads, cfg.lin_v_heads, cfg.conv_dim) == (2, 4, 2 * 16 + 32)
-  assert not cfg.tie_embeddings and params["lm_head"]["kernel"].shape == (32, V)
+  assert not cfg.tie_embeddings and params["lm_head"]["kernel"].shape == (V, 32)
   hf, tensors = load_safetensors_dir(path)
   wrapped = {"model_type": "qwen3_5", "text_config": {**hf, "model_type": "qwen3_5_text"}, "tie_word_embeddings": False}
   assert is_hybrid_hf_config(hf) and is_hybrid_hf_config(wrapped)

@@ -210,13 +210,13 @@ def test_row_product_two_rows_for_wide_matrices_same_values():
 
   from specjax.models import layers
   d_in, d_out = 512, layers.TWO_ROW_MIN_ELEMENTS // 512          # exactly at the threshold
-  w = jax.random.normal(jax.random.key(0), (d_in, d_out), jnp.float32) * d_in ** -0.5
+  w = jax.random.normal(jax.random.key(0), (d_out, d_in), jnp.float32) * d_in ** -0.5   # [out, in]
   x = jax.random.normal(jax.random.key(1), (1, 1, d_in), jnp.float32)
   barriers = lambda x, w: jax.jit(layers.row_product).lower(x, w).as_text().count("optimization_barrier")
   assert barriers(x, w) == 2
-  assert barriers(x, w[:, :-1]) == 0                              # one element under the threshold
+  assert barriers(x, w[:-1]) == 0                                 # one row of weights under the threshold
   assert barriers(jnp.concatenate([x, x], axis=1), w) == 0       # two rows: a GEMM already
-  want = jnp.einsum("...i,io->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+  want = jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
   got = layers.row_product(x, w)
   assert got.shape == (1, 1, d_out) and got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

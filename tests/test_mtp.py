@@ -92,7 +92,7 @@ def test_head_shapes_and_cache(which, request):
   d = cfg.d_model
   h0 = heads[0]
   assert set(h0) == {"enorm", "hnorm", "eh_proj", "block"}
-  assert h0["eh_proj"]["kernel"].shape == (2 * d, d)
+  assert h0["eh_proj"]["kernel"].shape == (d, 2 * d)
   assert h0["enorm"]["weight"].shape == h0["hnorm"]["weight"].shape == (d,)
   from flax import nnx
   from specjax.models.decoder import Block

@@ -214,9 +214,9 @@ def main() -> None:
     out["forward"][str(m)] = {"max_abs_diff": float(np.max(np.abs(got - ref))),
                               "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
     placed = nnx.to_pure_dict(parallel.place_params(coded, mesh, cfg))["layers"][0]
-    leaves = {"qkv_proj/kernel": (placed["self_attn"]["qkv_proj"]["kernel"], "qkv", lambda s: s[0]),
+    leaves = {"qkv_proj/kernel": (placed["self_attn"]["qkv_proj"]["kernel"], "qkv", lambda s: s[:, 0]),
               "qkv_proj/bias": (placed["self_attn"]["qkv_proj"]["bias"], "qkv", lambda s: s),
-              "gate_up_proj/kernel": (placed["mlp"]["gate_up_proj"]["kernel"], "gate_up", lambda s: s[0])}
+              "gate_up_proj/kernel": (placed["mlp"]["gate_up_proj"]["kernel"], "gate_up", lambda s: s[:, 0])}
     layout = {}
     for name, (x, fused, row) in leaves.items():
       shards = sorted(x.addressable_shards, key=lambda s: s.device.id)

@@ -83,15 +83,16 @@ def test_mesh_specs_parse_and_refuse_what_they_cannot_build():
 
 def test_partition_specs_follow_the_parameter_paths():
   spec = lambda path, shape, m=4: partition.param_spec(tuple(path.split("/")), shape, m)
-  assert spec("layers/0/self_attn/qkv_proj/kernel", (32, 64)) == P(None, "model")      # heads: columns
-  assert spec("layers/0/self_attn/o_proj/kernel", (32, 32)) == P("model")              # rows: partial sums
-  assert spec("layers/0/mlp/gate_up_proj/kernel", (32, 128)) == P(None, "model")
-  assert spec("layers/0/mlp/down_proj/kernel", (64, 32)) == P("model")
+  # kernels [out, in]
+  assert spec("layers/0/self_attn/qkv_proj/kernel", (64, 32)) == P("model")            # heads: outputs
+  assert spec("layers/0/self_attn/o_proj/kernel", (32, 32)) == P(None, "model")        # inputs: partial sums
+  assert spec("layers/0/mlp/gate_up_proj/kernel", (128, 32)) == P("model")
+  assert spec("layers/0/mlp/down_proj/kernel", (32, 64)) == P(None, "model")
   assert spec("embed_tokens/embedding", (16, 32)) == P("model")                        # vocabulary
-  assert spec("lm_head/kernel", (32, 16)) == P(None, "model")
+  assert spec("lm_head/kernel", (16, 32)) == P("model")
   assert spec("layers/0/input_layernorm/weight", (32,)) == P()                          # norms: replicated
-  assert spec("lm_head/kernel", (32, 18)) == P()                                        # 18 % 4: replicated
-  assert spec("lm_head/kernel", (32, 16), m=1) == P()
+  assert spec("lm_head/kernel", (18, 32)) == P()                                        # 18 % 4: replicated
+  assert spec("lm_head/kernel", (16, 32), m=1) == P()
 
 
 def test_a_model_axis_that_does_not_divide_the_kv_heads_pads_them_and_whole_groups_are_required():
@@ -145,8 +146,8 @@ def _tiny_hybrid():
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "hybrid"])
 def test_padding_kv_groups_keeps_the_forward(arch):
   """`pad_heads` 3 -> 4 KV heads (6 -> 8 heads): the padded tree has the padded config's shapes, the
-  checkpoint's values in front and zeros appended (qkv_proj columns and bias: one group of (G+2)*D,
-  or (2G+2)*D for gated attention; o_proj: G*D rows), and the padded model's logits over a prompt
+  checkpoint's values in front and zeros appended (qkv_proj rows and bias: one group of (G+2)*D,
+  or (2G+2)*D for gated attention; o_proj: G*D columns), and the padded model's logits over a prompt
   equal the unpadded model's (float32, up to summation order); its KV cache holds the unpadded K/V
   in the first 3 heads and zeros in the fourth. qwen2: QKV bias; gemma3: QK-norm over head_dim
   shared by the heads, sliding layers; hybrid: gated attention (query | gate per head) beside a
@@ -189,8 +190,8 @@ def test_padding_kv_groups_keeps_the_forward(arch):
       assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, layer, before["layers"][i]))
       continue
     attn, attn0 = layer["self_attn"], before["layers"][i]["self_attn"]
-    for leaf, axis, n in (("qkv_proj/kernel", 1, group * d), ("qkv_proj/bias", 0, group * d),
-                          ("o_proj/kernel", 0, 2 * d)):
+    for leaf, axis, n in (("qkv_proj/kernel", 0, group * d), ("qkv_proj/bias", 0, group * d),
+                          ("o_proj/kernel", 1, 2 * d)):
       mod, name = leaf.split("/")
       if attn[mod].get(name) is None:
         continue

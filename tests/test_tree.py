@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import chi2_gof, place_fused
+from conftest import chi2_gof, place_fused, standard_normal
 from specjax.engine.decode import generate_plain
 from specjax.drafters.draft_model_tree import DraftModelTreeDrafter, level_sizes
 from specjax.engine import RoundInputs, RoundSpec, speculative_generate, verify_tree
@@ -321,7 +321,7 @@ def tree_drafter(tiny_llama):
   place = place_fused(cfg)
   noisy = jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.asarray(np.asarray(x) + DRAFT_SIGMA * max(float(np.std(x)), 0.1)
-                                  * place(path, rng.standard_normal(x.shape).astype(np.float32))), params)
+                                  * place(path, standard_normal(rng, path, x.shape).astype(np.float32))), params)
   return DraftModelTreeDrafter(cfg=cfg, weights=noisy, **TREE)
 
 

@@ -127,12 +127,12 @@ def _context_kv(attn, ctx, ctx_pos):
   b, s, _ = ctx.shape
   kvh, hd = attn.n_kv_heads, attn.head_dim
   g = attn.n_heads // kvh
-  # the K and V columns of the fused projection: per KV head, the two after its g query heads
-  kv_cols = lambda x: x.reshape(*x.shape[:-1], kvh, g + 2, hd)[..., g:, :].reshape(*x.shape[:-1], -1)
-  w = kv_cols(attn.qkv_proj.kernel[...])                                          # [D, KVH * 2 * hd]
-  kv = jnp.einsum("bsd,do->bso", ctx.astype(w.dtype), w, preferred_element_type=jnp.float32)
+  # the K and V rows of the fused projection: per KV head, the two after its g query heads
+  kv_rows = lambda x: x.reshape(kvh, g + 2, hd, *x.shape[1:])[:, g:].reshape(-1, *x.shape[1:])
+  w = kv_rows(attn.qkv_proj.kernel[...])                                          # [KVH * 2 * hd, D]
+  kv = jnp.einsum("bsd,od->bso", ctx.astype(w.dtype), w, preferred_element_type=jnp.float32)
   if attn.qkv_proj.bias is not None:
-    kv = kv + kv_cols(attn.qkv_proj.bias[...]).astype(jnp.float32)
+    kv = kv + kv_rows(attn.qkv_proj.bias[...]).astype(jnp.float32)
   kv = kv.reshape(b, s, kvh, 2, hd)
   k, v = kv[:, :, :, 0], kv[:, :, :, 1]                                          # [B, S, KVH, hd]
   if attn.k_norm is not None:
@@ -293,11 +293,11 @@ class DFlashDrafter(DeviceDrafter):
 # saving and loading: bf16 safetensors (HF-style names, [out, in]) + a JSON config
 
 
-def _names(path: tuple[str, ...]) -> tuple[list[str], bool]:
-  """Parameter path -> (tensor names, stored transposed?). Fused q/k/v and gate/up are stored as
-  their HF parts: `layers.0.self_attn.q_proj.weight`, `fc.weight` [D, n_taps * D], ..."""
+def _names(path: tuple[str, ...]) -> list[str]:
+  """Parameter path -> tensor names. Fused q/k/v and gate/up are stored as their HF parts:
+  `layers.0.self_attn.q_proj.weight`, `fc.weight` [D, n_taps * D], ..."""
   if path[-1] == "mask_embedding":
-    return ["mask_embedding"], False
+    return ["mask_embedding"]
   return hf_names(path)
 
 

@@ -151,8 +151,8 @@ def init_head(hc: Eagle3Config, seed: int = 0, dtype=jnp.float32, *, target_para
   pure = params_of(Eagle3Head(hc, dtype=dtype, rngs=nnx.Rngs(seed)))
   if target_params is not None:
     model = model_of(target_params, hc.target)
-    w = model.embed_tokens.embedding[...] if model.lm_head is None else model.lm_head.kernel[...].T   # [V, D]
-    pure["lm_head"]["kernel"] = jnp.asarray(w[jnp.asarray(d2t)].T, dtype)                            # [D, Vd]
+    w = model.embed_tokens.embedding[...] if model.lm_head is None else model.lm_head.kernel[...]     # [V, D]
+    pure["lm_head"]["kernel"] = jnp.asarray(w[jnp.asarray(d2t)], dtype)                              # [Vd, D]
     pure["norm"]["weight"] = jnp.asarray(model.norm.weight[...], dtype)
   return pure
 
@@ -197,8 +197,8 @@ def t2d_mask(d2t, vocab_size: int):
 # saving and loading: bf16 safetensors (EAGLE-3 tensor names, [out, in]) + a JSON config
 
 
-def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
-  """Parameter path -> (tensor names in the file, stored transposed?). EAGLE-3's names:
+def _file_names(path: tuple[str, ...]) -> list[str]:
+  """Parameter path -> tensor names in the file. EAGLE-3's names:
   `fc.weight`, `midlayer.self_attn.q_proj.weight`, `midlayer.mlp.gate_proj.weight`, `norm.weight`,
   `lm_head.weight`; fused projections stored as their parts."""
   return hf_names(path)

@@ -9,9 +9,10 @@
   (`save_head`, `load_head`);
 - the mapping between the two: each head names, per parameter leaf, the file tensors it is made
   of (a fused leaf is several tensors, their rows interleaved on axis 0 as the projection's
-  `Linear.fused` layout says: `models/weights.py`) and whether the file stores it transposed
-  (`hf_names`, `tensors_from`, `params_from_tensors`). Files hold the parts, never a fused matrix,
-  so a file does not depend on the layout of the fused parameters in memory.
+  `Linear.fused` layout says: `models/weights.py`; `hf_names`, `tensors_from`,
+  `params_from_tensors`). Matrices are [out, in] in files and in memory alike. Files hold the
+  parts, never a fused matrix, so a file does not depend on the layout of the fused parameters in
+  memory.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ def abstract_params(make: Callable[[], nnx.Module]) -> dict:
   return jax.tree_util.tree_map_with_path(leaf, nnx.to_pure_dict(nnx.split(module)[1]))
 
 
-def hf_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
-  """Parameter path -> (tensor names in the file, stored transposed?) by HF's conventions: a
-  module's `kernel` is `<module>.weight` stored [out, in], a `bias` is `<module>.bias`, a norm's
-  `weight` stays; fused projections (qkv_proj, gate_up_proj) are stored as their HF parts."""
+def hf_names(path: tuple[str, ...]) -> list[str]:
+  """Parameter path -> tensor names in the file, by HF's conventions: a module's `kernel` is
+  `<module>.weight` ([out, in], as in memory), a `bias` is `<module>.bias`, a norm's `weight`
+  stays; fused projections (qkv_proj, gate_up_proj) are stored as their HF parts."""
   parts, leaf = list(path[:-1]), path[-1]
   hf_leaf = "bias" if leaf == "bias" else "weight"
   if parts and parts[-1] in FUSED:
-    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]], leaf == "kernel"
-  return [".".join(parts + [hf_leaf])], leaf == "kernel"
+    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]]
+  return [".".join(parts + [hf_leaf])]
 
 
 def fused_sizes(cfg) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -89,10 +90,10 @@ def leaves(tree: dict, prefix: tuple[str, ...] = ()):
       yield prefix + (str(key),), val
 
 
-def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[str, ...]], tuple[list[str], bool]], *,
+def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[str, ...]], list[str]], *,
                       what: str, dtype=None, prefix: str = "", int_keys: bool = False) -> tuple[dict, set]:
   """A nested dict shaped like `abstract` (leaves with .shape) from the file tensors `flat`.
-  file_names(leaf path) -> (tensor names, transposed); `prefix` goes before every name; numeric
+  file_names(leaf path) -> tensor names; `prefix` goes before every name; numeric
   keys become ints with `int_keys` (nnx lists); a fused leaf (`FusedShape`) is its tensors' rows
   interleaved by its layout (`weights.fuse_rows`). Returns (params, names used). Raises KeyError
   for a missing tensor and ValueError for a shape that does not fit; `what` names the file in
@@ -100,8 +101,7 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
   out: dict = {}
   used: set = set()
   for path, leaf in leaves(abstract):
-    names, transposed = file_names(path)
-    names = [prefix + n for n in names]
+    names = [prefix + n for n in file_names(path)]
     missing = [n for n in names if n not in flat]
     if missing:
       raise KeyError(f"{what} lacks tensor {missing[0]!r}")
@@ -110,7 +110,6 @@ def fill_from_tensors(abstract: dict, flat: dict, file_names: Callable[[tuple[st
           else flat[names[0]]
     except ValueError as e:
       raise ValueError(f"{what}: {e}") from None
-    arr = arr.T if transposed else arr
     if tuple(arr.shape) != tuple(leaf.shape):
       raise ValueError(f"{what}: {names} give shape {arr.shape}, expected {leaf.shape}")
     used.update(names)
@@ -158,15 +157,14 @@ def file_paths(path, stem: str):
   return path / f"{stem}.safetensors", path / f"{stem}.json"
 
 
-def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], tuple[list[str], bool]],
+def tensors_from(pure: dict, file_names: Callable[[tuple[str, ...]], list[str]],
                  fused_sizes: dict, *, dtype, prefix: str = "") -> dict:
   """The inverse of `fill_from_tensors`: file tensors (`dtype`, contiguous) of a nested parameter
   dict; a fused leaf is split into its parts by the layout fused_sizes[<its module name>]."""
   flat = {}
   for path, arr in leaves(pure):
-    names, transposed = file_names(path)
+    names = file_names(path)
     arr = np.asarray(jnp.asarray(arr, dtype))
-    arr = arr.T if transposed else arr
     pieces = split_rows(arr, fused_sizes[path[-2]]) if len(names) > 1 else [arr]
     for name, piece in zip(names, pieces):
       flat[prefix + name] = np.ascontiguousarray(piece)

@@ -127,7 +127,7 @@ def init_heads(cfg: ModelConfig, n_heads: int = 1, seed: int = 0, dtype=jnp.floa
       src = layers[block_from_layer % cfg.n_layers]
       pure["block"] = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), src)
     if init == "identity":
-      pure["eh_proj"]["kernel"] = jnp.concatenate([jnp.zeros((d, d), dtype), jnp.eye(d, dtype=dtype)], axis=0)
+      pure["eh_proj"]["kernel"] = jnp.concatenate([jnp.zeros((d, d), dtype), jnp.eye(d, dtype=dtype)], axis=1)   # [D, 2D]
       if block_from_layer is None:
         for path in (("self_attn", "o_proj"), ("mlp", "down_proj")):
           node = pure["block"]
@@ -311,8 +311,8 @@ class MTPDrafter(DeviceDrafter):
 # saving and loading heads: bf16 safetensors + a JSON config
 
 
-def _file_names(path: tuple[str, ...]) -> tuple[list[str], bool]:
-  """A head parameter path -> (tensor names in the file, stored transposed [out, in]?).
+def _file_names(path: tuple[str, ...]) -> list[str]:
+  """A head parameter path -> tensor names in the file.
 
   The file uses HF / DeepSeek-style names and layout, whatever our module tree looks like:
   `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [D, 2D], then the decoder layer's own

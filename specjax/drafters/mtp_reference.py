@@ -139,14 +139,13 @@ def builtin_layers(target) -> tuple[Path | None, str]:
 
 
 def names_of(style: str, m: int, n_target_layers: int):
-  """(prefix, file_names) of head m: file_names(param path) -> (tensor names, transposed)."""
+  """(prefix, file_names) of head m: file_names(param path) -> tensor names."""
   from specjax.drafters.mtp import _file_names
   if style == "deepseek_v3":
     return f"model.layers.{n_target_layers + m}.", _file_names
 
   def qwen3_next(path):
-    names, transposed = _file_names(path)
-    return [QWEN3_NEXT_NAMES.get(n) or f"layers.{m}.{n}" for n in names], transposed
+    return [QWEN3_NEXT_NAMES.get(n) or f"layers.{m}.{n}" for n in _file_names(path)]
   return "mtp.", qwen3_next
 
 
@@ -164,7 +163,7 @@ def init_reference_heads(cfg: ModelConfig, n_heads: int, target_params, *, seed:
   from specjax.drafters.mtp import init_heads
   tp = nnx.to_pure_dict(target_params)
   heads = init_heads(cfg, n_heads, seed=seed)
-  lm = tp["embed_tokens"]["embedding"] if cfg.tie_embeddings else tp["lm_head"]["kernel"].T      # [V, D]
+  lm = tp["embed_tokens"]["embedding"] if cfg.tie_embeddings else tp["lm_head"]["kernel"]        # [V, D]
   outs = tuple({"norm": jnp.asarray(tp["norm"]["weight"]), **({"lm_head": jnp.asarray(lm)} if own_lm_head else {})}
                for _ in range(n_heads))
   return heads, outs

@@ -88,17 +88,10 @@ class Transformer(nnx.Module):
 
   def head(self, h: jax.Array) -> jax.Array:
     """The LM head alone. h [B, T, d_model] (normed) -> [B, T, V] float32."""
-    if self.lm_head is None:
-      w = self.embed_tokens.embedding[...]
-      if self.cfg.invariant:
-        return invariant_matmul.pallas_matmul(h, w, transposed=True)                # [B, T, V]
-      out = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    else:
-      w = self.lm_head.kernel[...]
-      if self.cfg.invariant:   # a row's logits summed alike whatever the rows beside it, as the tied head's
-        return invariant_matmul.pallas_matmul(h, w)                               # [B, T, V]
-      out = jnp.einsum("btd,dv->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return out
+    w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]   # [V, d]
+    if self.cfg.invariant:     # a row's logits summed alike whatever the rows beside it
+      return invariant_matmul.pallas_matmul(h, w, transposed=True)                  # [B, T, V]
+    return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, cache: KVCache, positions, masks, *, taps: Sequence[int] = (), last_only=None):
     x = self.embed(tokens)

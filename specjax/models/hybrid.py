@@ -118,7 +118,7 @@ class HybridLM(nnx.Module):
 
   def head(self, h: jax.Array) -> jax.Array:
     """The LM head alone. h [B, T, d_model] (normed) -> [B, T, V] float32."""
-    w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...].T
+    w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
     return jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 

@@ -21,11 +21,11 @@ IGNORED_PREFIXES = ("mtp.", "model.visual.")   # Qwen3.5 MTP head and vision tow
 
 def _hf_tensor_names(parts: list[str]) -> tuple[list[str], str]:
   """Our parameter path -> (HF tensor names concatenated on the output axis, how to transform):
-  "T" transpose ([out, in] -> [in, out]), "conv" squeeze [C, 1, K] -> [C, K], "" as is."""
+  "conv" squeeze [C, 1, K] -> [C, K], "" as is (matrices are [out, in] in HF and here)."""
   if parts == ["embed_tokens", "embedding"]:
     return ["model.embed_tokens.weight"], ""
   if parts == ["lm_head", "kernel"]:
-    return ["lm_head.weight"], "T"
+    return ["lm_head.weight"], ""
   leaf, parent = parts[-1], parts[:-1]
   if leaf in ("A_log", "dt_bias"):
     return ["model." + ".".join(parts)], ""
@@ -33,7 +33,7 @@ def _hf_tensor_names(parts: list[str]) -> tuple[list[str], str]:
     return ["model." + ".".join(parts) + ".weight"], "conv"
   hf_leaf = "bias" if leaf == "bias" else "weight"
   mods = [parent[:-1] + [p] for p in FUSED[parent[-1]]] if parent[-1] in FUSED else [parent]
-  return ["model." + ".".join(m + [hf_leaf]) for m in mods], ("T" if leaf == "kernel" else "")
+  return ["model." + ".".join(m + [hf_leaf]) for m in mods], ""
 
 
 def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
@@ -50,7 +50,7 @@ def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=j
     if missing:
       raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(parts)})")
     arr = fuse_parts(names, [np.asarray(tensors[n]) for n in names], layouts.get(tuple(parts)))
-    arr = arr.T if how == "T" else arr.reshape(arr.shape[0], -1) if how == "conv" else arr
+    arr = arr.reshape(arr.shape[0], -1) if how == "conv" else arr
     if arr.shape != leaf.shape:
       raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")
     used.update(names)

@@ -23,26 +23,28 @@ NEG_INF = verify_attention.NEG_INF
 
 # A one-row product (a batch-1 decode step) whose weight has at least this many elements runs as a
 # two-row GEMM. XLA's GPU compiler rewrites a one-row product as a broadcast multiply and a
-# reduction, and for wide matrices it writes that multiply's whole float32 [in, out] product to
-# memory before reducing it, which costs more than the GEMM's extra row; for narrow ones (every
-# projection of SmolLM2) the extra row costs more than the write it saves (experiments/README.md,
-# "How fast is plain decoding?").
+# reduction. Weights are stored [out, in] so that reduction runs along each weight row's contiguous
+# memory, which XLA fuses with the multiply (stored [in, out], it wrote the whole float32 product
+# to memory first for most projections); for wide matrices a GEMM with a zero second row still
+# reads the weights faster than the fused reduction (experiments/README.md, "How fast is plain
+# decoding?").
 TWO_ROW_MIN_ELEMENTS = 1 << 21
 
 
 def row_product(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., in] @ w [in, out] -> [..., out] float32 (x rounded to w's dtype). With one row in all
-  and w of TWO_ROW_MIN_ELEMENTS or more: the row and a zero row as one GEMM, row 0 kept (values are
-  the product's; the optimization barriers keep the simplifier from folding the zero row away)."""
+  """x [..., in] @ w [out, in].T -> [..., out] float32 (x rounded to w's dtype). With one row in
+  all and w of TWO_ROW_MIN_ELEMENTS or more: the row and a zero row as one GEMM, row 0 kept (values
+  are the product's; the optimization barriers keep the simplifier from folding the zero row away)."""
   if int(np.prod(x.shape[:-1])) != 1 or w.size < TWO_ROW_MIN_ELEMENTS:
-    return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
   rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)]).astype(w.dtype)   # [2, in]
-  y = jnp.einsum("mi,io->mo", jax.lax.optimization_barrier(rows), w, preferred_element_type=jnp.float32)
-  return jax.lax.optimization_barrier(y)[0].reshape(*x.shape[:-1], w.shape[-1])                   # [..., out]
+  y = jnp.einsum("mi,oi->mo", jax.lax.optimization_barrier(rows), w, preferred_element_type=jnp.float32)
+  return jax.lax.optimization_barrier(y)[0].reshape(*x.shape[:-1], w.shape[0])                    # [..., out]
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias). kernel is [in, out] (HF stores [out, in]; loaders transpose).
+  """y = x @ kernel.T (+ bias). kernel is [out, in], as HF and PyTorch store it (a one-row product
+  then reduces along contiguous memory: `TWO_ROW_MIN_ELEMENTS`).
 
   The input is rounded to the weight dtype, the product accumulates and is returned in float32:
   with bf16 weights the residual stream stays float32, so a K+1-token verification and a
@@ -58,7 +60,7 @@ class Linear(nnx.Module):
     kernel = jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32)
     if fused is not None:     # drawn as the parts side by side, then placed: a seed gives one function
       kernel = kernel[:, fused_order(fused)]
-    self.kernel = nnx.Param(kernel.astype(dtype) * std)
+    self.kernel = nnx.Param(kernel.T.astype(dtype) * std)                          # [out, in]
     self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
     self.invariant = invariant
     self.fused = fused
@@ -66,7 +68,7 @@ class Linear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     w = self.kernel[...]
     if self.invariant:
-      y = invariant_matmul.pallas_matmul(x, w)                                    # [..., out] float32
+      y = invariant_matmul.pallas_matmul(x, w, transposed=True)                   # [..., out] float32
     else:
       y = row_product(x, w)                                                       # [..., out] float32
     if self.bias is not None:

@@ -68,30 +68,23 @@ def fused_leaves(module: nnx.Module) -> dict[tuple[str, ...], tuple[tuple[int, .
   return out
 
 
-def _hf_names(path: tuple) -> tuple[list[str], bool]:
-  """Our parameter path -> (HF tensor names, concatenated along the output axis; transposed?)."""
+def _hf_names(path: tuple) -> list[str]:
+  """Our parameter path -> HF tensor names (several: concatenated along the output axis)."""
   parts = [str(p) for p in path]
   if len(parts) >= 2 and parts[-2] in FUSED:
-    names = []
-    for part in FUSED[parts[-2]]:
-      name, transposed = _hf_name(tuple(parts[:-2] + [part, parts[-1]]))
-      names.append(name)
-    return names, transposed
-  name, transposed = _hf_name(path)
-  return [name], transposed
+    return [_hf_name(tuple(parts[:-2] + [part, parts[-1]])) for part in FUSED[parts[-2]]]
+  return [_hf_name(path)]
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-  """Our parameter path -> (HF tensor name, whether HF stores it transposed)."""
+def _hf_name(path: tuple) -> str:
+  """Our parameter path -> HF tensor name (HF's layout is ours: matrices [out, in])."""
   parts = [str(p) for p in path]
   if parts == ["embed_tokens", "embedding"]:
-    return "model.embed_tokens.weight", False
+    return "model.embed_tokens.weight"
   if parts == ["lm_head", "kernel"]:
-    return "lm_head.weight", True
-  leaf = parts[-1]
-  transposed = leaf == "kernel"
-  hf_leaf = "bias" if leaf == "bias" else "weight"
-  return "model." + ".".join(parts[:-1] + [hf_leaf]), transposed
+    return "lm_head.weight"
+  hf_leaf = "bias" if parts[-1] == "bias" else "weight"
+  return "model." + ".".join(parts[:-1] + [hf_leaf])
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
@@ -105,14 +98,12 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jn
 
   def fill(path, leaf):
     keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-    names, transposed = _hf_names(keys)
+    names = _hf_names(keys)
     missing = [n for n in names if n not in tensors]
     if missing:
       raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(map(str, keys))})")
     parts = [np.asarray(tensors[n]) for n in names]                              # [out_i, in] (or [out_i])
     arr = fuse_parts(names, parts, layouts[tuple(map(str, keys))]) if len(names) > 1 else parts[0]
-    if transposed:
-      arr = arr.T
     if arr.shape != leaf.shape:
       raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")
     used.update(names)

@@ -1,15 +1,15 @@
 """Where every array lives on a (data, model) mesh: `PartitionSpec`s by pytree path, placement,
 and the constraints the jitted loops apply to their state.
 
-Tensor parallelism (Megatron's layout, by parameter path; [in, out] kernels as in `layers.Linear`):
+Tensor parallelism (Megatron's layout, by parameter path; [out, in] kernels as in `layers.Linear`):
 
-    .../qkv_proj/kernel      [d_model, (H+2KVH)*D]   columns on "model"   (attention heads)
+    .../qkv_proj/kernel      [(H+2KVH)*D, d_model]   outputs on "model"   (attention heads)
     .../qkv_proj/bias        [(H+2KVH)*D]            on "model"
-    .../o_proj/kernel        [H*D, d_model]          rows on "model"      (partial sums: one all-reduce)
-    .../gate_up_proj/kernel  [d_model, 2F]           columns on "model"   (MLP)
-    .../down_proj/kernel     [F, d_model]            rows on "model"
+    .../o_proj/kernel        [d_model, H*D]          inputs on "model"    (partial sums: one all-reduce)
+    .../gate_up_proj/kernel  [2F, d_model]           outputs on "model"   (MLP)
+    .../down_proj/kernel     [d_model, F]            inputs on "model"
     embed_tokens/embedding   [V, d_model]            vocabulary on "model"
-    lm_head/kernel           [d_model, V]            vocabulary on "model"
+    lm_head/kernel           [V, d_model]            vocabulary on "model"
     anything else (norms, gated-DeltaNet tensors, ...) replicated
 
 Per-sequence state (`GenState`, drafter states, sampling parameters): the leading batch axis on
@@ -18,11 +18,11 @@ write it. Nothing else is decided here: params and inputs are placed with these 
 and `jax.jit` propagates them through the engine's programs (XLA's SPMD partitioner), so a
 sharded run computes what the one-device run computes, up to the order of float reductions.
 
-Note on the fused projections: the output columns of `qkv_proj` are grouped per KV head (for KV
+Note on the fused projections: the outputs (kernel rows) of `qkv_proj` are grouped per KV head (for KV
 head g: its query heads, K_g, V_g) and those of `gate_up_proj` interleaved per MLP unit (gate_j,
 up_j), one order whatever the mesh (`models/layers.py`, written so by the loaders). A contiguous
 split over "model" then gives each device whole KV groups (the model axis divides the KV heads, which
-are padded where it does not: below) and the gate and up columns of the same units, so a decoder
+are padded where it does not: below) and the gate and up outputs of the same units, so a decoder
 layer costs Megatron's 2 all-reduces and nothing else. Split as whole parts ([Q | K | V], [gate | up]), one device would
 hold all of Q and another K and V, and XLA would move the projected activations to where attention
 and the gated product need them (collective-permutes after every fused projection). A hybrid
@@ -34,7 +34,7 @@ Note on KV heads the model axis does not divide (SmolLM2-135M: 3 KV heads, model
 `place_target` first appends whole zero KV groups to every attention layer (`pad_heads`), up to
 the next multiple of the model axis (3 -> 4 KV heads, 9 -> 12 query heads), and the target then runs
 with the padded config. A zero group's queries, keys and values are zero, so its attention output
-is zero, and its o_proj rows are zero: every layer computes what the unpadded one computes (up to
+is zero, and its o_proj columns are zero: every layer computes what the unpadded one computes (up to
 the order of float sums). The price is the padding itself: the KV cache, the QKV projection and
 attention grow by padded / real KV heads (4/3 for SmolLM2 on model=2 or 4; a warning says so
 when it happens). Drafters keep the checkpoint's own config (`LoadedModel.logical_cfg`).
@@ -66,12 +66,12 @@ log = logging.getLogger(__name__)
 
 # (module name, leaf name) -> the axis of the leaf split over "model"
 TENSOR_PARALLEL = {
-    ("qkv_proj", "kernel"): 1, ("qkv_proj", "bias"): 0,
-    ("o_proj", "kernel"): 0,
-    ("gate_up_proj", "kernel"): 1,
-    ("down_proj", "kernel"): 0,
+    ("qkv_proj", "kernel"): 0, ("qkv_proj", "bias"): 0,
+    ("o_proj", "kernel"): 1,
+    ("gate_up_proj", "kernel"): 0,
+    ("down_proj", "kernel"): 1,
     ("embed_tokens", "embedding"): 0,
-    ("lm_head", "kernel"): 1,
+    ("lm_head", "kernel"): 0,
 }
 
 
@@ -123,27 +123,27 @@ def padded_config(cfg, mesh: Mesh | None):
 
 
 # (module, leaf) -> the axis that grows when KV groups are appended (`pad_heads`)
-_PADDED = {("self_attn", "qkv_proj", "kernel"): 1, ("self_attn", "qkv_proj", "bias"): 0,
-           ("self_attn", "o_proj", "kernel"): 0}
+_PADDED = {("self_attn", "qkv_proj", "kernel"): 0, ("self_attn", "qkv_proj", "bias"): 0,
+           ("self_attn", "o_proj", "kernel"): 1}
 
 
 def pad_heads(params, cfg, n_kv_heads: int):
   """(params, cfg) of the same function with whole zero KV groups appended to every attention layer,
   up to `n_kv_heads` KV heads and n_kv_heads * G query heads (G = n_heads / n_kv_heads, the group
-  size, unchanged). With W = (G+2)*D fused columns per group ((2G+2)*D for a hybrid target's gated
+  size, unchanged). With W = (G+2)*D fused outputs per group ((2G+2)*D for a hybrid target's gated
   attention: query | gate per head, `hybrid.gated_qkv_layout`) and KVH' = n_kv_heads:
 
-      .../self_attn/qkv_proj/kernel  [d_model, KVH*W] -> [d_model, KVH'*W]   zero columns appended
+      .../self_attn/qkv_proj/kernel  [KVH*W, d_model] -> [KVH'*W, d_model]   zero rows appended
       .../self_attn/qkv_proj/bias    [KVH*W]          -> [KVH'*W]            zeros appended
-      .../self_attn/o_proj/kernel    [H*D, d_model]   -> [H'*D, d_model]     zero rows appended
+      .../self_attn/o_proj/kernel    [d_model, H*D]   -> [d_model, H'*D]     zero columns appended
 
   Everything else (norms, including gemma3's / qwen3's q_norm and k_norm, shared by all heads over
   head_dim; o_proj's bias, [d_model]; the MLP; a hybrid target's DeltaNet) is kept as it is. The
-  fused qkv columns are grouped per KV head (`layers.qkv_layout`: for KV head g, its G query heads,
-  K_g, V_g), so the appended columns are the groups KVH..KVH'-1 of the padded config, and their
-  query heads are the heads H..H'-1 whose o_proj rows are appended. Such a group's queries, keys
+  fused qkv outputs are grouped per KV head (`layers.qkv_layout`: for KV head g, its G query heads,
+  K_g, V_g), so the appended rows are the groups KVH..KVH'-1 of the padded config, and their
+  query heads are the heads H..H'-1 whose o_proj columns are appended. Such a group's queries, keys
   and values are zero: its attention scores are all equal, its softmax-weighted sum of zero values
-  is zero (gated: zero times the sigmoid gate), and its o_proj rows add zero, so the padded model
+  is zero (gated: zero times the sigmoid gate), and its o_proj columns add zero, so the padded model
   computes what `params` computes (up to the order of float sums), while its KV cache, QKV
   projection and attention grow by KVH'/KVH. Host arrays (numpy, or jax arrays on the CPU) are
   padded on the host, so `put` still cuts them there; device arrays are padded where they live."""
@@ -152,8 +152,8 @@ def pad_heads(params, cfg, n_kv_heads: int):
     raise ValueError(f"cannot pad {cfg.n_kv_heads} KV heads down to {n_kv_heads}")
   padded = with_kv_heads(cfg, n_kv_heads)
   sizes, groups = fused_layout(cfg)["qkv_proj"]
-  per_group = {"qkv_proj": sum(sizes) // groups,                                   # W fused columns
-               "o_proj": cfg.head_dim * (cfg.n_heads // cfg.n_kv_heads)}           # G*D rows
+  per_group = {"qkv_proj": sum(sizes) // groups,                                   # W fused outputs
+               "o_proj": cfg.head_dim * (cfg.n_heads // cfg.n_kv_heads)}           # G*D inputs
   grow = n_kv_heads - cfg.n_kv_heads
 
   def pad(path, x):

@@ -43,8 +43,8 @@ def tiny_target(seed: int = 2, d_model: int = 64, n_layers: int = 2):
     last = str(getattr(path[-1], "key", getattr(path[-1], "idx", path[-1])))
     if last == "embedding":
       x = rng.standard_normal(leaf.shape)
-    elif last == "kernel":
-      x = rng.standard_normal(leaf.shape) * leaf.shape[0] ** -0.5
+    elif last == "kernel":                       # [out, in], drawn as [in, out]
+      x = rng.standard_normal(leaf.shape[::-1]).T * leaf.shape[1] ** -0.5
     elif last == "bias":
       x = 0.1 * rng.standard_normal(leaf.shape)
     else:                                          # norm weights
