@@ -191,13 +191,17 @@ def test_config_and_command(tmp_path):
 
 
 def test_resume_refuses_checkpoints_of_another_fused_layout(toy_target, toy_dataset, tmp_path):
-  """Checkpoints record the in-memory order of fused projection columns; a folder written without
-  that record (an older order) is refused on resume instead of being loaded with permuted weights."""
+  """Checkpoints record the parameters' in-memory layout (fused projection order, kernel
+  orientation); a folder written without that record (an older order) or with the record of [in,
+  out] kernels is refused on resume instead of being loaded with permuted or transposed weights."""
   from specjax.errors import UserError
   spec = _spec(toy_dataset, tmp_path / "c")
   run_training(spec, target=toy_target, progress=False, stop_at=3)
   layout = tmp_path / "c" / "checkpoints" / "fused_layout.txt"
   assert layout.exists()
+  layout.write_text("grouped-per-kv-head+gate-up-interleaved\n")              # kernels [in, out]
+  with pytest.raises(UserError, match="laid out as 'grouped-per-kv-head\\+gate-up-interleaved'"):
+    run_training(spec, target=toy_target, progress=False)
   layout.unlink()
-  with pytest.raises(UserError, match="fused projections"):
+  with pytest.raises(UserError, match="laid out as 'columns side by side'"):
     run_training(spec, target=toy_target, progress=False)

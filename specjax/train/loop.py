@@ -103,15 +103,16 @@ def _train_step(loss_fn, clip_norm, b1, b2, weight_decay):
   return opt, jax.jit(step_fn, donate_argnums=(0, 1))
 
 
-# The in-memory order of fused projection columns (models/layers.py: q/k/v grouped per KV head,
-# gate/up interleaved per unit). Checkpoints hold parameters in that order, so a folder records it
-# and a resume from another order is refused rather than silently permuting the weights.
-FUSED_LAYOUT = "grouped-per-kv-head+gate-up-interleaved"
+# The in-memory layout of the parameters: the order of fused projection outputs (models/layers.py:
+# q/k/v grouped per KV head, gate/up interleaved per unit) and the kernels' orientation ([out, in]).
+# Checkpoints hold parameters so, a folder records it, and a resume from another layout is refused
+# rather than silently permuting or transposing the weights (a square kernel loads either way).
+FUSED_LAYOUT = "grouped-per-kv-head+gate-up-interleaved+kernels-out-in"
 
 
 class Checkpoints:
   """Orbax checkpoints of {params, opt_state} per step under `directory` (beside them
-  `fused_layout.txt`: the fused-column order they hold)."""
+  `fused_layout.txt`: the parameter layout they hold, `FUSED_LAYOUT`)."""
 
   def __init__(self, directory: str | Path, keep: int = 2):
     import orbax.checkpoint as ocp
@@ -136,9 +137,9 @@ class Checkpoints:
     shardings of `like` (a run on a mesh), each device reading its own shards."""
     found = self._layout_file.read_text().strip() if self._layout_file.exists() else "columns side by side"
     if found != FUSED_LAYOUT:
-      raise UserError(f"{self._layout_file.parent}: these checkpoints hold fused projections as {found!r}, this "
-                      f"specjax keeps them as {FUSED_LAYOUT!r}; resuming would permute their weights. Start a "
-                      "fresh run (another output folder) or resume with the specjax that wrote them")
+      raise UserError(f"{self._layout_file.parent}: these checkpoints hold parameters laid out as {found!r}, "
+                      f"this specjax keeps them as {FUSED_LAYOUT!r}; resuming would permute or transpose their "
+                      "weights. Start a fresh run (another output folder) or resume with the specjax that wrote them")
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), like)
     tree = self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
