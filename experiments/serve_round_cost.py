@@ -27,6 +27,10 @@ kernels and the gaps between them per round, and kernels by kind and name (`prof
 so the engine's and the server's rounds can be compared kernel by kernel (--trace-dir keeps the traces).
 --prefill-rows N... adds, per --slots, the time of prefilling N requests at once: until
 `SlotEngine.prefill` returns and until the state is ready (does a prefill call block the host?).
+--greedy-argmax takes every sampled token (engine, prefill, plain rounds) as the logits' argmax alone,
+without the `lax.cond` between the greedy and the sampled draw (every request here is greedy, so
+the tokens do not change): whether that conditional, whose predicate XLA reads on the host, is
+what holds the host in a call (run the same command with and without it).
 The JSON (config, git revision, device, rows) goes to --out; a table is printed.
 
   python experiments/serve_round_cost.py --out $OUT/serve_round_cost.json                 # GPU, bf16
@@ -219,6 +223,20 @@ def profile_rounds(run, args, tag: str) -> dict:
   return {"rounds": rounds, **{k.replace("_step", "_round"): v for k, v in summary.items() if k != "steps"}}
 
 
+def bare_argmax() -> None:
+  """Every caller of `sampling.next_token` (the engine's decode step and prefill, the server's
+  prefill and rounds) takes the logits' argmax, with no `lax.cond` on the sampling parameters."""
+  import jax.numpy as jnp
+
+  from specjax.engine import decode, generation
+  from specjax.serve import slot_programs
+
+  def argmax(logits, params, keys):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  for module in (decode, generation, slot_programs):
+    module.next_token = argmax
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -240,8 +258,12 @@ def main(argv=None) -> int:
   ap.add_argument("--trace-dir", default=None, help="keep each profile's perfetto trace here")
   ap.add_argument("--prefill-rows", type=int, nargs="*", default=[],
                   help="also time prefilling this many requests at once (dispatch vs ready), per --slots")
+  ap.add_argument("--greedy-argmax", action="store_true",
+                  help="sampled tokens as a bare argmax, no greedy / sampled conditional (all requests are greedy)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
+  if args.greedy_argmax:
+    bare_argmax()
   target, prompt = load_target(args)
   ms, rate, profile = engine_ms_per_step(target, prompt, args)
   rows = [{"what": "engine round" if args.speculator else "engine decode step", "slots": None, "rounds_per_call": None,

@@ -59,3 +59,41 @@ def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
   # device events, so only the wall time per round is there)
   assert serve["profile"]["rounds"] == serve["rounds"] and serve["profile"]["wall_ms_per_round"] > 0
   assert engine["profile"]["rounds"] > 0 and engine["profile"]["wall_ms_per_round"] > 0
+
+
+def test_greedy_argmax_patch_keeps_greedy_tokens_and_drops_the_conditional(monkeypatch):
+  """--greedy-argmax (`bare_argmax`): the engine's and the server's callers of `next_token` take a
+  bare argmax, so greedy generation gives the same tokens, and the token's lowering has no
+  conditional left (the model's `next_token` lowers one)."""
+  import importlib.util
+
+  import jax
+  import jax.numpy as jnp
+
+  from conftest import TINY_LLAMA, random_params
+  from specjax.engine import decode, generation
+  from specjax.engine.decode import generate_plain
+  from specjax.engine.sampling import SamplingParams
+  from specjax.serve import slot_programs
+  spec = importlib.util.spec_from_file_location("serve_round_cost", ROOT / "experiments" / "serve_round_cost.py")
+  module = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, "serve_round_cost", module)                     # its dataclasses look it up
+  spec.loader.exec_module(module)
+  params = random_params(TINY_LLAMA, seed=0)
+  prompts = [[3, 7, 1, 12, 5], [9, 2]]
+  args = (jnp.zeros((2, TINY_LLAMA.vocab_size)), SamplingParams.make(2), jnp.zeros((2, 2), jnp.uint32))
+  conditional = lambda f: "stablehlo.case" in jax.jit(f).lower(*args).as_text()
+
+  def run():
+    jax.clear_caches()
+    return generate_plain(params, TINY_LLAMA, prompts, max_new_tokens=10, capacity=128).tokens
+
+  want = run()
+  assert conditional(decode.next_token)
+  for m in (decode, generation, slot_programs):
+    monkeypatch.setattr(m, "next_token", m.next_token)                             # restored after the test
+  module.bare_argmax()
+  assert decode.next_token is generation.next_token is slot_programs.next_token
+  assert not conditional(decode.next_token)
+  assert run() == want
+  jax.clear_caches()
