@@ -133,16 +133,20 @@ def in_out_products() -> None:
 
 
 def greedy_argmax() -> None:
-  """A decode step's token as the logits' argmax alone, in this child process only (every row of
-  this benchmark is greedy): no `lax.cond` between the argmax and the sampled draw, so the step's
-  cost of that conditional (a predicate read, or a graph node) shows against `default`."""
+  """Every sampled token as the logits' argmax alone, in this process only (every row of the
+  benchmarks that use it is greedy): the callers of `sampling.next_token` (the engine's decode step
+  and prefill, the server's prefill and plain rounds) lose the `lax.cond` between the argmax and
+  the sampled draw, so that conditional's cost (a predicate read, or a graph node) shows against
+  `default`."""
   import jax.numpy as jnp
 
-  from specjax.engine import decode
+  from specjax.engine import decode, generation
+  from specjax.serve import slot_programs
 
   def argmax(logits, params, keys):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  decode.next_token = argmax
+  for module in (decode, generation, slot_programs):
+    module.next_token = argmax
 
 
 def slice_cache_write() -> None:

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from decode_flags import greedy_argmax  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters.base import DraftParams  # noqa: E402
 from specjax.engine import speculative_generate  # noqa: E402
@@ -223,20 +224,6 @@ def profile_rounds(run, args, tag: str) -> dict:
   return {"rounds": rounds, **{k.replace("_step", "_round"): v for k, v in summary.items() if k != "steps"}}
 
 
-def bare_argmax() -> None:
-  """Every caller of `sampling.next_token` (the engine's decode step and prefill, the server's
-  prefill and rounds) takes the logits' argmax, with no `lax.cond` on the sampling parameters."""
-  import jax.numpy as jnp
-
-  from specjax.engine import decode, generation
-  from specjax.serve import slot_programs
-
-  def argmax(logits, params, keys):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  for module in (decode, generation, slot_programs):
-    module.next_token = argmax
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -263,7 +250,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
   if args.greedy_argmax:
-    bare_argmax()
+    greedy_argmax()
   target, prompt = load_target(args)
   ms, rate, profile = engine_ms_per_step(target, prompt, args)
   rows = [{"what": "engine round" if args.speculator else "engine decode step", "slots": None, "rounds_per_call": None,

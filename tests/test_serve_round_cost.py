@@ -62,7 +62,7 @@ def test_tiny_speculative_round_cost_counts_tokens_per_round(tmp_path):
 
 
 def test_greedy_argmax_patch_keeps_greedy_tokens_and_drops_the_conditional(monkeypatch):
-  """--greedy-argmax (`bare_argmax`): the engine's and the server's callers of `next_token` take a
+  """--greedy-argmax (decode_flags' `greedy_argmax` patch): the engine's and the server's callers of `next_token` take a
   bare argmax, so greedy generation gives the same tokens, and the token's lowering has no
   conditional left (the model's `next_token` lowers one)."""
   import importlib.util
@@ -92,7 +92,7 @@ def test_greedy_argmax_patch_keeps_greedy_tokens_and_drops_the_conditional(monke
   assert conditional(decode.next_token)
   for m in (decode, generation, slot_programs):
     monkeypatch.setattr(m, "next_token", m.next_token)                             # restored after the test
-  module.bare_argmax()
+  module.greedy_argmax()
   assert decode.next_token is generation.next_token is slot_programs.next_token
   assert not conditional(decode.next_token)
   assert run() == want

@@ -42,13 +42,14 @@ from flax import nnx
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters import head_file
-from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, params_of,
                                         params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.drafters.feature_window import FeatureWindow
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Block, embed_tokens, lm_head_logits, logits_from_prenorm
 from specjax.models.layers import Linear, RMSNorm, rope
+from specjax.models.weights import hf_names
 from specjax.engine.sampling import SamplingParams, shaped_probs, split_keys
 
 FORMAT = "specjax-dflash-v1"

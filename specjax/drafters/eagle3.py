@@ -27,12 +27,13 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters import head_file
-from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, params_of,
                                         params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import attention_masks, model_of
 from specjax.models.layers import MLP, Linear, RMSNorm, attend, qkv_layout, rope, split_qkv
 from specjax.models.kv_cache import KVCache
+from specjax.models.weights import hf_names
 
 FORMAT = "specjax-eagle3-v1"
 

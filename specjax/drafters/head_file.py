@@ -9,7 +9,7 @@
   (`save_head`, `load_head`);
 - the mapping between the two: each head names, per parameter leaf, the file tensors it is made
   of (a fused leaf is several tensors, their rows interleaved on axis 0 as the projection's
-  `Linear.fused` layout says: `models/weights.py`; `hf_names`, `tensors_from`,
+  `Linear.fused` layout says; `weights.hf_names`, `tensors_from`,
   `params_from_tensors`). Matrices are [out, in] in files and in memory alike. Files hold the
   parts, never a fused matrix, so a file does not depend on the layout of the fused parameters in
   memory.
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.errors import UserError
-from specjax.models.weights import FUSED, fuse_parts, fused_layout, fused_leaves, split_rows
+from specjax.models.weights import fuse_parts, fused_layout, fused_leaves, split_rows
 
 
 def params_of(params) -> dict:
@@ -62,17 +62,6 @@ def abstract_params(make: Callable[[], nnx.Module]) -> dict:
     names = tuple(str(getattr(k, "key", k)) for k in path)
     return FusedShape(tuple(x.shape), x.dtype, layouts[names]) if names in layouts else x
   return jax.tree_util.tree_map_with_path(leaf, nnx.to_pure_dict(nnx.split(module)[1]))
-
-
-def hf_names(path: tuple[str, ...]) -> list[str]:
-  """Parameter path -> tensor names in the file, by HF's conventions: a module's `kernel` is
-  `<module>.weight` ([out, in], as in memory), a `bias` is `<module>.bias`, a norm's `weight`
-  stays; fused projections (qkv_proj, gate_up_proj) are stored as their HF parts."""
-  parts, leaf = list(path[:-1]), path[-1]
-  hf_leaf = "bias" if leaf == "bias" else "weight"
-  if parts and parts[-1] in FUSED:
-    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]]
-  return [".".join(parts + [hf_leaf])]
 
 
 def fused_sizes(cfg) -> dict[str, tuple[tuple[int, ...], int]]:

@@ -49,7 +49,7 @@ from flax import nnx
 
 from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters import head_file
-from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, hf_names, params_of,
+from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, params_of,
                                         params_from_tensors, refuse_unplaced, tensors_from)
 from specjax.models import decoder, hybrid
 from specjax.models.config import ModelConfig
@@ -58,6 +58,7 @@ from specjax.models.hybrid import HybridBlock
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.layers import Linear, RMSNorm
+from specjax.models.weights import hf_names
 
 FORMAT = "specjax-mtp-v1"
 

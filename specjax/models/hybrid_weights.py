@@ -19,21 +19,21 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 IGNORED_PREFIXES = ("mtp.", "model.visual.")   # Qwen3.5 MTP head and vision tower: not part of the text LM
 
 
-def _hf_tensor_names(parts: list[str]) -> tuple[list[str], str]:
-  """Our parameter path -> (HF tensor names concatenated on the output axis, how to transform):
-  "conv" squeeze [C, 1, K] -> [C, K], "" as is (matrices are [out, in] in HF and here)."""
+def _hf_tensor_names(parts: list[str]) -> list[str]:
+  """Our parameter path -> HF tensor names, concatenated on the output axis (matrices are
+  [out, in] in HF and here; a conv1d weight is HF's [C, 1, K] squeezed)."""
   if parts == ["embed_tokens", "embedding"]:
-    return ["model.embed_tokens.weight"], ""
+    return ["model.embed_tokens.weight"]
   if parts == ["lm_head", "kernel"]:
-    return ["lm_head.weight"], ""
+    return ["lm_head.weight"]
   leaf, parent = parts[-1], parts[:-1]
   if leaf in ("A_log", "dt_bias"):
-    return ["model." + ".".join(parts)], ""
+    return ["model." + ".".join(parts)]
   if leaf == "conv1d":
-    return ["model." + ".".join(parts) + ".weight"], "conv"
+    return ["model." + ".".join(parts) + ".weight"]
   hf_leaf = "bias" if leaf == "bias" else "weight"
   mods = [parent[:-1] + [p] for p in FUSED[parent[-1]]] if parent[-1] in FUSED else [parent]
-  return ["model." + ".".join(m + [hf_leaf]) for m in mods], ""
+  return ["model." + ".".join(m + [hf_leaf]) for m in mods]
 
 
 def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
@@ -45,12 +45,12 @@ def params_from_hf(cfg: HybridConfig, tensors: Mapping[str, np.ndarray], dtype=j
 
   def fill(path, leaf):
     parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    names, how = _hf_tensor_names(parts)
+    names = _hf_tensor_names(parts)
     missing = [n for n in names if n not in tensors]
     if missing:
       raise KeyError(f"checkpoint lacks tensor {missing[0]!r} (needed for parameter {'/'.join(parts)})")
     arr = fuse_parts(names, [np.asarray(tensors[n]) for n in names], layouts.get(tuple(parts)))
-    arr = arr.reshape(arr.shape[0], -1) if how == "conv" else arr
+    arr = arr.reshape(arr.shape[0], -1) if parts[-1] == "conv1d" else arr              # [C, 1, K] -> [C, K]
     if arr.shape != leaf.shape:
       raise ValueError(f"tensor(s) {names} give shape {arr.shape}, expected {leaf.shape}")
     used.update(names)

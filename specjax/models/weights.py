@@ -68,23 +68,25 @@ def fused_leaves(module: nnx.Module) -> dict[tuple[str, ...], tuple[tuple[int, .
   return out
 
 
+def hf_names(path: tuple[str, ...]) -> list[str]:
+  """Parameter path -> tensor names in the file, by HF's conventions: a module's `kernel` is
+  `<module>.weight` ([out, in], as in memory), a `bias` is `<module>.bias`, a norm's `weight`
+  stays; fused projections (qkv_proj, gate_up_proj) are stored as their HF parts."""
+  parts, leaf = list(path[:-1]), path[-1]
+  hf_leaf = "bias" if leaf == "bias" else "weight"
+  if parts and parts[-1] in FUSED:
+    return [".".join(parts[:-1] + [p, hf_leaf]) for p in FUSED[parts[-1]]]
+  return [".".join(parts + [hf_leaf])]
+
+
 def _hf_names(path: tuple) -> list[str]:
-  """Our parameter path -> HF tensor names (several: concatenated along the output axis)."""
-  parts = [str(p) for p in path]
-  if len(parts) >= 2 and parts[-2] in FUSED:
-    return [_hf_name(tuple(parts[:-2] + [part, parts[-1]])) for part in FUSED[parts[-2]]]
-  return [_hf_name(path)]
-
-
-def _hf_name(path: tuple) -> str:
-  """Our parameter path -> HF tensor name (HF's layout is ours: matrices [out, in])."""
-  parts = [str(p) for p in path]
-  if parts == ["embed_tokens", "embedding"]:
-    return "model.embed_tokens.weight"
-  if parts == ["lm_head", "kernel"]:
-    return "lm_head.weight"
-  hf_leaf = "bias" if parts[-1] == "bias" else "weight"
-  return "model." + ".".join(parts[:-1] + [hf_leaf])
+  """A target's parameter path -> HF tensor names (several: concatenated along the output axis)."""
+  parts = tuple(str(p) for p in path)
+  if parts == ("embed_tokens", "embedding"):
+    return ["model.embed_tokens.weight"]
+  if parts == ("lm_head", "kernel"):
+    return ["lm_head.weight"]
+  return ["model." + n for n in hf_names(parts)]
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32):
