@@ -199,6 +199,8 @@ def main(argv=None) -> int:
   ap.add_argument("--capacity", type=int, default=1024)
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--keep-trace", action="store_true", help="copy each raw trace beside the JSON")
+  ap.add_argument("--save-hlo", action="store_true",
+                  help="write each batch's compiled decode loop (HLO text, gzipped) beside the JSON")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
 
@@ -228,8 +230,11 @@ def main(argv=None) -> int:
     run = lambda: generate_plain(target.params, cfg, prompts, max_new_tokens=args.new_tokens, capacity=args.capacity)
     run()                                                          # compilation
     untraced = min(run().seconds for _ in range(2))
-    hlo = hlo_index(decode_loop_hlo(target.params, cfg, prompts, max_new_tokens=args.new_tokens,
-                                    capacity=args.capacity))
+    hlo_text = decode_loop_hlo(target.params, cfg, prompts, max_new_tokens=args.new_tokens, capacity=args.capacity)
+    if args.save_hlo:
+      with gzip.open(out_path.with_name(f"{out_path.stem}_b{b}.hlo.txt.gz"), "wt") as f:
+        f.write(hlo_text)
+    hlo = hlo_index(hlo_text)
     with tempfile.TemporaryDirectory() as tmp:
       seconds, kernels, trace_file = traced_generation(run, Path(tmp))
       if args.keep_trace:
