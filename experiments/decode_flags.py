@@ -60,9 +60,14 @@ VARIANTS = {
     "in_out_products": "",
     # the greedy token as a bare argmax, no conditional between it and the sampled draw (`greedy_argmax`)
     "greedy_argmax": "",
-    # a batch-1 KV-cache write as a dynamic-update-slice instead of a scatter that drops slots past
-    # the capacity (`slice_cache_write`: no out-of-range select, an in-place update)
-    "slice_cache_write": "",
+    # a batch-1 KV-cache write as the scatter that drops slots past the capacity (`scatter_cache_write`:
+    # the model's write before batch 1 took a slice update; its out-of-range select is a kernel)
+    "scatter_cache_write": "",
+    # the attention kernel's split partials merged by XLA instead of the merge kernel (`xla_attention_merge`)
+    "xla_attention_merge": "",
+    # RMSNorm's 1 / rms applied to its projection's output, the weight to its input
+    # (`norm_after_projection`: the normed activation not a kernel of its own)
+    "norm_after_projection": "",
     # one-token decode attention through XLA instead of the Pallas kernel (no padded query, no
     # split-combine; `VARIANT_ENV`)
     "xla_decode_attention": "",
@@ -149,31 +154,83 @@ def greedy_argmax() -> None:
     module.next_token = argmax
 
 
-def slice_cache_write() -> None:
-  """A batch-1 KV-cache write as one `dynamic_update_slice` at the row's length, in this child
-  process only (larger batches keep the model's write). The model's write is a per-row scatter
-  with mode="drop" (slots past the capacity dropped), which carries a select of the out-of-range
-  slots; a slice update clamps its start instead, so it writes the same values whenever the row
-  stays within the capacity (every row of this benchmark: prompt + 2 x new tokens < capacity).
-  Batched per-row slice updates (`vmap`) lower to a scatter again, hence batch 1 only."""
+def scatter_cache_write() -> None:
+  """A batch-1 KV-cache write as the per-row scatter that drops slots past the capacity, in this
+  child process only: the model's write before batch 1 took a `dynamic_update_slice`. XLA turns
+  that scatter into a slice update behind a select of the old slots where a slot is out of range,
+  a kernel of its own per layer (and the range check another). Same values within the capacity."""
   import jax
+  import jax.numpy as jnp
 
   from specjax.models import kv_cache
-  write_rows = kv_cache.KVCache.write
 
   def write(self, layer, k_new, v_new):
-    if k_new.shape[0] != 1:
-      return write_rows(self, layer, k_new, v_new)
-    at = (0, self.lengths[0], 0, 0)
-    return (jax.lax.dynamic_update_slice(self.k[layer], k_new.astype(self.k[layer].dtype), at),
-            jax.lax.dynamic_update_slice(self.v[layer], v_new.astype(self.v[layer].dtype), at))
+    t = k_new.shape[1]
+
+    def one(cache, new, length):
+      return cache.at[length + jnp.arange(t, dtype=jnp.int32)].set(new.astype(cache.dtype), mode="drop")
+    return jax.vmap(one)(self.k[layer], k_new, self.lengths), jax.vmap(one)(self.v[layer], v_new, self.lengths)
   kv_cache.KVCache.write = write
+
+
+def xla_attention_merge() -> None:
+  """The verification attention's split partials merged by XLA (three kernels: the max, the
+  weights, the weighted sums) instead of the merge kernel, in this child process only."""
+  from specjax.kernels import verify_attention as va
+  va.merge_partials = lambda o, m, l, n_out, block_m, interpret=False: va.merge_reference(o, m, l, n_out)
+
+
+def norm_after_projection() -> None:
+  """Each pre-attention and pre-MLP RMSNorm applied around its projection instead of before it,
+  in this child process only: the projection takes x * weight (an elementwise producer XLA can
+  fuse into the product's input) and its output is scaled by the row's 1 / rms (an epilogue the
+  consumers fuse), so the normed activation is never its own kernel. Equal in exact arithmetic
+  (norm(x) @ W = rsqrt(mean x^2) * ((x * w) @ W)); in bf16 the product's input is rounded before
+  the 1 / rms factor instead of after it. Blocks with sandwich norms, QK norms or the invariant
+  kernels keep the model's code."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.kernels import verify_attention
+  from specjax.models import decoder, layers
+  block_call = decoder.Block.__call__
+
+  def prescaled(norm, x):                                  # (x * w [B, T, d] in x's dtype, 1 / rms [B, T, 1] f32)
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm.eps)
+    w = norm.weight[...].astype(jnp.float32)
+    return (xf * (1.0 + w if norm.offset else w)).astype(x.dtype), r
+
+  def attend(attn, xw, r, positions, write_kv, mask, ragged):
+    b, t, _ = xw.shape
+    qkv = attn.qkv_proj(xw) * r                                                   # [B, T, (H+2KVH)*D]
+    q, k, v = layers.split_qkv(qkv, attn.n_heads, attn.n_kv_heads, attn.head_dim)
+    q, k = layers.rope(q, positions, attn.theta, attn.rope_scaling), layers.rope(k, positions, attn.theta,
+                                                                                 attn.rope_scaling)
+    k_all, v_all = write_kv(k, v)
+    out = verify_attention.attention(q, k_all, v_all, mask, attn.scale, ragged)
+    return attn.o_proj(out.reshape(b, t, -1)), (k_all, v_all)
+
+  def call(self, x, positions, write_kv, masks):
+    if self.invariant or self.sandwich or self.self_attn.q_norm is not None:
+      return block_call(self, x, positions, write_kv, masks)
+    kind = "sliding" if self.sliding else "full"
+    xw, r = prescaled(self.input_layernorm, x)
+    attn_out, kv = attend(self.self_attn, xw, r, positions, write_kv, masks[kind],
+                          masks.get("ragged", {}).get(kind))
+    x = x + attn_out
+    xw, r = prescaled(self.post_attention_layernorm, x)
+    g, u = layers.split_gate_up(self.mlp.gate_up_proj(xw) * r)
+    g = jax.nn.silu(g) if self.mlp.activation == "silu" else jax.nn.gelu(g, approximate=True)
+    return x + self.mlp.down_proj(g * u), kv
+  decoder.Block.__call__ = call
 
 
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
 PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
            "in_out_products": in_out_products, "greedy_argmax": greedy_argmax,
-           "slice_cache_write": slice_cache_write}
+           "scatter_cache_write": scatter_cache_write,
+           "xla_attention_merge": xla_attention_merge, "norm_after_projection": norm_after_projection}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",

@@ -253,12 +253,13 @@ def test_in_out_products_change_no_value(monkeypatch):
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_slice_cache_write_changes_no_value(monkeypatch):
-  """The `slice_cache_write` variant's patch (a batch-1 KV-cache write as a slice update instead of
-  a scatter that drops slots past the capacity) writes the same caches within the capacity: the
-  same greedy tokens for one prompt and for a ragged batch of two (which keeps the scatter), and
-  bitwise the same keys and values after a prefill and a one-token step; the batch-1 step's
-  lowering has no scatter."""
+def test_scatter_cache_write_changes_no_value(monkeypatch):
+  """The model's batch-1 KV-cache write (one slice update at the row's length) and the
+  `scatter_cache_write` variant's (the per-row scatter that drops slots past the capacity, the
+  model's write before) write the same caches within the capacity: the same greedy tokens for one
+  prompt and for a ragged batch of two (which scatters either way), and bitwise the same keys and
+  values after a prefill and a one-token step; the model's batch-1 step lowers with no scatter,
+  the variant's with one."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -290,11 +291,52 @@ def test_slice_cache_write_changes_no_value(monkeypatch):
   want_tokens, want_cache = run()
   want_text = step_text()
   monkeypatch.setattr(kv_cache.KVCache, "write", kv_cache.KVCache.write)          # restored after the test
-  module.PATCHES["slice_cache_write"]()
+  module.PATCHES["scatter_cache_write"]()
   got_tokens, got_cache = run()
   got_text = step_text()
   jax.clear_caches()
-  assert "scatter" in want_text and "scatter" not in got_text                    # the patch ran
+  assert "scatter" not in want_text and "scatter" in got_text                    # the patch ran
   assert got_tokens == want_tokens
   for got, want in zip(got_cache, want_cache):
     np.testing.assert_array_equal(got, want)
+
+
+def test_norm_after_projection_changes_values_by_rounding_only(monkeypatch):
+  """The `norm_after_projection` variant's patch (RMSNorm's 1 / rms applied to the projection's
+  output, its weight to the input) computes the same layer in float32: the same greedy tokens, and
+  logits within float32 rounding, for the llama block; the patched forward's lowering has no
+  normed activation of its own (fewer multiplies by the rms, checked by the values' equality
+  only, the kernel count being a GPU matter)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from conftest import TINY_LLAMA, random_params
+  from specjax.engine.decode import generate_plain
+  from specjax.models import decoder
+  from specjax.models.decoder import forward
+  from specjax.models.kv_cache import KVCache
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  params = random_params(TINY_LLAMA, seed=0)
+  prompt = [3, 7, 1, 12, 5]
+
+  def run():
+    jax.clear_caches()
+    tokens = generate_plain(params, TINY_LLAMA, [prompt], max_new_tokens=10, capacity=128).tokens
+    cache = KVCache.init(TINY_LLAMA, 1, 64, dtype=jnp.float32)
+    logits, _, cache = forward(params, TINY_LLAMA, jnp.asarray([prompt], jnp.int32), cache)
+    step, _, _ = forward(params, TINY_LLAMA, jnp.asarray([[4]], jnp.int32), cache)
+    return tokens, np.asarray(logits), np.asarray(step)
+
+  want = run()
+  model_call = decoder.Block.__call__
+  monkeypatch.setattr(decoder.Block, "__call__", model_call)                       # restored after the test
+  module.PATCHES["norm_after_projection"]()
+  assert decoder.Block.__call__ is not model_call                                  # the patch ran
+  got = run()
+  jax.clear_caches()
+  assert got[0] == want[0]
+  for g, w in zip(got[1:], want[1:]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

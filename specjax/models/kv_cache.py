@@ -46,11 +46,23 @@ class KVCache:
     return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
   def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys/values of `layer` with `k_new`/`v_new` [B, T, KVH, D] written at slots length+t (slots
-    past the capacity are dropped). Each row writes its own slots (a `jax.vmap` of the one-row
-    update, the batch being a batching dimension of the scatter), so with the batch split over
-    the mesh's "data" axis every device writes its rows where they are; a scatter naming rows by
-    explicit indices would gather every row's keys, values and slots onto every device first."""
+    """Keys/values of `layer` with `k_new`/`v_new` [B, T, KVH, D] written at slots length+t.
+
+    Batch 1 writes one `dynamic_update_slice` at the row's length: XLA updates the cache in place
+    and fuses the write with the new keys' producer (rotary embedding). A start past capacity - T
+    is clamped, so a row that outgrew its cache overwrites its own last slots; such a row's output
+    is wrong whatever the write does (its new tokens cannot attend to themselves), and concrete
+    lengths are refused beforehand (`check_capacity`, `generation.plan_capacity`).
+    Larger batches scatter each row's slots (a `jax.vmap` of the one-row update, the batch a
+    batching dimension of the scatter), dropping slots past the capacity, so a finished or padded
+    row that outgrew its cache leaves the others untouched; with the batch split over the mesh's
+    "data" axis every device writes its rows where they are (a scatter naming rows by explicit
+    indices would gather every row's keys, values and slots onto every device first). The
+    scatter's bounds check (a select of the old slots) is one kernel per layer that batch 1 saves."""
+    if k_new.shape[0] == 1:
+      at = (0, self.lengths[0], 0, 0)
+      return (jax.lax.dynamic_update_slice(self.k[layer], k_new.astype(self.k[layer].dtype), at),
+              jax.lax.dynamic_update_slice(self.v[layer], v_new.astype(self.v[layer].dtype), at))
     t = k_new.shape[1]
 
     def one(cache, new, length):                                                 # [S, KVH, D], [T, KVH, D], []
