@@ -63,8 +63,6 @@ VARIANTS = {
     # a batch-1 KV-cache write as the scatter that drops slots past the capacity (`scatter_cache_write`:
     # the model's write before batch 1 took a slice update; its out-of-range select is a kernel)
     "scatter_cache_write": "",
-    # the attention kernel's split partials merged by XLA instead of the merge kernel (`xla_attention_merge`)
-    "xla_attention_merge": "",
     # RMSNorm's 1 / rms applied to its projection's output, the weight to its input
     # (`norm_after_projection`: the normed activation not a kernel of its own)
     "norm_after_projection": "",
@@ -173,13 +171,6 @@ def scatter_cache_write() -> None:
   kv_cache.KVCache.write = write
 
 
-def xla_attention_merge() -> None:
-  """The verification attention's split partials merged by XLA (three kernels: the max, the
-  weights, the weighted sums) instead of the merge kernel, in this child process only."""
-  from specjax.kernels import verify_attention as va
-  va.merge_partials = lambda o, m, l, n_out, block_m, interpret=False: va.merge_reference(o, m, l, n_out)
-
-
 def norm_after_projection() -> None:
   """Each pre-attention and pre-MLP RMSNorm applied around its projection instead of before it,
   in this child process only: the projection takes x * weight (an elementwise producer XLA can
@@ -230,7 +221,7 @@ def norm_after_projection() -> None:
 PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
            "in_out_products": in_out_products, "greedy_argmax": greedy_argmax,
            "scatter_cache_write": scatter_cache_write,
-           "xla_attention_merge": xla_attention_merge, "norm_after_projection": norm_after_projection}
+           "norm_after_projection": norm_after_projection}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",

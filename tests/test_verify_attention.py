@@ -244,8 +244,7 @@ def test_kernel_that_fails_to_compile_falls_back_once(impl, monkeypatch, caplog)
 @pytest.mark.parametrize("shape", [(8, 9, 9, 3, 64, 4160), (32, 17, 12, 2, 128, 16448), (1, 1, 9, 3, 64, 1088)],
                          ids=["smollm2-K8", "qwen1.5b-K16", "smollm2-decode"])
 def test_kernel_lowers_to_triton_for_cuda(shape):
-  """The Triton lowering of the attention and merge kernels (power-of-two blocks, supported
-  primitives) runs on the CPU via export."""
+  """The Triton lowering (power-of-two blocks, supported primitives) runs on the CPU via export."""
   from jax import export
   from jax._src.lib import version as jaxlib_version
   if jaxlib_version > (0, 10, 2):
@@ -258,8 +257,7 @@ def test_kernel_lowers_to_triton_for_cuda(shape):
                       disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
       sds((b, t, h, d), jnp.bfloat16), sds((b, s_cap, kvh, d), jnp.bfloat16), sds((b, s_cap, kvh, d), jnp.bfloat16),
       ragged)
-  text = exp.mlir_module()
-  assert text.count("xla.gpu.triton") == 2                                    # the attention and the merge kernel
+  assert "xla.gpu.triton" in exp.mlir_module()
 
 
 def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypatch):
@@ -288,26 +286,3 @@ def test_probe_runs_inside_a_traced_loop_then_the_kernel_is_used(impl, monkeypat
   assert len(calls) == 2                                   # the probe's call and the traced call
   np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(va.attend_reference(q, k, v, mask, 0.25)),
                              atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("n_out,n_pad,block_m,d", [(17, 32, 16, 64), (3, 4, 16, 32), (16, 16, 32, 64)],
-                         ids=["decode_17_of_32", "3_of_4", "16_two_column_blocks"])
-def test_merge_kernel_equals_the_xla_merge(n_out, n_pad, block_m, d):
-  """The merge kernel (`merge_partials`, interpret mode) equals the XLA merge of the same partials:
-  splits past n_out hold NaN (unwritten memory) and are ignored, empty splits (l = 0, m = -inf)
-  weigh nothing, rows with no visible slot at all come out 0; with more partials than one
-  program's registers hold the columns are split over programs."""
-  rng = np.random.default_rng(n_out)
-  b, kvh, rows = 2, 3, 2 * block_m
-  o = rng.standard_normal((b, kvh, n_pad, rows, d)).astype(np.float32)
-  m = rng.standard_normal((b, kvh, n_pad, rows)).astype(np.float32) * 4
-  l = rng.uniform(0.5, 3.0, (b, kvh, n_pad, rows)).astype(np.float32)
-  m[:, :, 1], l[:, :, 1] = va.NEG_INF, 0.0                                      # an empty split
-  m[0, 0, :, 5], l[0, 0, :, 5] = va.NEG_INF, 0.0                                # a row that sees nothing
-  o[:, :, n_out:], m[:, :, n_out:], l[:, :, n_out:] = np.nan, np.nan, np.nan   # never written
-  o, m, l = jnp.asarray(o, jnp.bfloat16), jnp.asarray(m), jnp.asarray(l)
-  got = va.merge_partials(o, m, l, n_out, block_m=block_m, interpret=True)
-  want = va.merge_reference(o, m, l, n_out)
-  assert got.shape == (b, kvh, rows, d) and got.dtype == jnp.float32
-  assert np.all(np.isfinite(np.asarray(got))) and not np.any(np.asarray(got)[0, 0, 5])
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

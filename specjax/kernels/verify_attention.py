@@ -13,8 +13,8 @@ Two implementations of one function:
   tokens form the M dimension of its matmuls, so each K/V block is read once per group. The
   committed slots `[0, length)` are cut into `n_splits` ranges (only blocks below `length` are
   read: the cache's capacity costs nothing), and one extra program per (sequence, head) scores
-  the T new slots under the chain / tree mask. A second kernel merges the partial results with
-  their log-sum-exp weights (`merge_partials`).
+  the T new slots under the chain / tree mask. Partial results are merged with their
+  log-sum-exp weights in XLA (`merge_partials`).
 
 `attention` dispatches: the kernel on GPU (T > 1, and T = 1 unless SPECJAX_VERIFY_ATTENTION_DECODE=0),
 the reference elsewhere; SPECJAX_VERIFY_ATTENTION=xla|pallas|auto (or `set_impl`) forces either.
@@ -206,57 +206,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
     finish(plgpu.dot(p.astype(v.dtype), v, precision=precision), m, jnp.sum(p, axis=1))
 
 
-MERGE_MAX_ELEMENTS = 16384      # partials one merge program holds: [n_pad, block_m, block_d] f32 in registers
-
-
-def merge_reference(o: jax.Array, m: jax.Array, l: jax.Array, n_out: int) -> jax.Array:
-  """The split partials merged by their log-sum-exp weights (XLA): the weight of split j is
-  l_j * exp(m_j - max m). o [B, KVH, NP, R, D] (each split's normalized output), m, l [B, KVH, NP, R];
-  splits n_out.. are unused. -> [B, KVH, R, D] f32."""
-  o, m, l = o[:, :, :n_out], m[:, :, :n_out], l[:, :, :n_out]
+def merge_partials(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+  """The split partials merged by their log-sum-exp weights: the weight of split j is
+  l_j * exp(m_j - max m). o [B, KVH, NS, R, D] (each split's normalized output), m, l [B, KVH, NS, R]
+  -> [B, KVH, R, D] f32. XLA makes three kernels of it (the max, the weights, the weighted sums); one
+  Pallas kernel doing the same ran slower in a decode step (experiments/README, "How fast is plain
+  decoding?")."""
   w = l * jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                         # [B, KVH, NS, R]
   total = jnp.sum(w, axis=2)                                                     # [B, KVH, R]
-  out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=2)                  # [B, KVH, R, D]
+  out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=2)                  # [B, KVH, R, D] (one fusion)
   return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_out: int):
-  """One (sequence, KV head, row block, column block) program: o_ref [NP, BM, BD], m_ref, l_ref
-  [NP, BM] -> out_ref [BM, BD]. Splits at or past n_out hold whatever memory held (masked)."""
-  used = jnp.arange(o_ref.shape[0]) < n_out                                      # [NP]
-  m = jnp.where(used[:, None], m_ref[...], NEG_INF)
-  l = jnp.where(used[:, None], l_ref[...], 0.0)
-  w = l * jnp.exp(m - jnp.max(m, axis=0)[None, :])                               # [NP, BM]
-  o = jnp.where(used[:, None, None], o_ref[...].astype(jnp.float32), 0.0)        # [NP, BM, BD]
-  total = jnp.sum(w, axis=0)                                                     # [BM]
-  out = jnp.sum(w[:, :, None] * o, axis=0)                                       # [BM, BD]
-  out_ref[...] = out / jnp.where(total > 0, total, 1.0)[:, None]
-
-
-def merge_partials(o: jax.Array, m: jax.Array, l: jax.Array, n_out: int, *, block_m: int,
-                   interpret: bool = False) -> jax.Array:
-  """`merge_reference` as one Pallas kernel (XLA makes three of it: the max, the weights, the
-  weighted sums), or through XLA when one program's partials would not fit its registers.
-  o [B, KVH, NP, R, D] (NP a power of two), m, l [B, KVH, NP, R] -> [B, KVH, R, D] f32."""
-  b, kvh, n_pad, rows, d = o.shape
-  block_d = min(d, MERGE_MAX_ELEMENTS // (n_pad * block_m))
-  if n_out == 1 or block_d < 16:
-    return merge_reference(o, m, l, n_out)
-  n_rb, n_db = rows // block_m, d // block_d
-  return pl.pallas_call(
-      functools.partial(_merge_kernel, n_out=n_out),
-      grid=(b, kvh * n_rb, n_db),
-      in_specs=[
-          pl.BlockSpec((None, None, n_pad, block_m, block_d), lambda i, hr, c: (i, hr // n_rb, 0, hr % n_rb, c)),
-          pl.BlockSpec((None, None, n_pad, block_m), lambda i, hr, c: (i, hr // n_rb, 0, hr % n_rb)),
-          pl.BlockSpec((None, None, n_pad, block_m), lambda i, hr, c: (i, hr // n_rb, 0, hr % n_rb)),
-      ],
-      out_specs=pl.BlockSpec((None, None, block_m, block_d), lambda i, hr, c: (i, hr // n_rb, hr % n_rb, c)),
-      out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="verify_attention_merge",
-  )(o, m, l)
 
 
 def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: RaggedMask, scale: float, *,
@@ -281,7 +240,6 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
   vis = jnp.pad(vis, ((0, 0), (0, 0), (0, tl.block_t - t))).astype(jnp.int32)   # [B, R, BT]
   lengths = ragged.lengths.astype(jnp.int32)
   n_out = tl.n_splits + 1
-  n_pad = _pow2(n_out)     # the partials' split axis, a power of two for the merge kernel's block
 
   head = lambda hr: hr // n_rb
   rblk = lambda hr: hr % n_rb
@@ -303,16 +261,16 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
           pl.BlockSpec((None, None, None, tl.block_m), lambda i, hr, j: (i, head(hr), j, rblk(hr))),
           pl.BlockSpec((None, None, None, tl.block_m), lambda i, hr, j: (i, head(hr), j, rblk(hr))),
       ],
-      out_shape=[   # splits n_out .. n_pad - 1 are never written; the merge masks them
-          jax.ShapeDtypeStruct((b, kvh, n_pad, tl.rows, d), k.dtype),
-          jax.ShapeDtypeStruct((b, kvh, n_pad, tl.rows), jnp.float32),
-          jax.ShapeDtypeStruct((b, kvh, n_pad, tl.rows), jnp.float32),
+      out_shape=[
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows, d), k.dtype),
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows), jnp.float32),
+          jax.ShapeDtypeStruct((b, kvh, n_out, tl.rows), jnp.float32),
       ],
       compiler_params=plgpu.CompilerParams(num_warps=tl.num_warps, num_stages=tl.num_stages),
       interpret=interpret,
       name="verify_attention",
   )(lengths, qr, k, v, vis)
-  out = merge_partials(o, m, l, n_out, block_m=tl.block_m, interpret=interpret)      # [B, KVH, R, D] f32
+  out = merge_partials(o, m, l)                                                  # [B, KVH, R, D] f32
   out = out[:, :, :t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)      # [B, T, KVH, G, D]
   return out.reshape(b, t, h, d)
 
