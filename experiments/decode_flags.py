@@ -66,6 +66,8 @@ VARIANTS = {
     # RMSNorm's 1 / rms applied to its projection's output, the weight to its input
     # (`norm_after_projection`: the normed activation not a kernel of its own)
     "norm_after_projection": "",
+    # one-token attention as one pass per KV head, no split partials to merge (`single_pass_decode_attention`)
+    "single_pass_decode_attention": "",
     # one-token decode attention through XLA instead of the Pallas kernel (no padded query, no
     # split-combine; `VARIANT_ENV`)
     "xla_decode_attention": "",
@@ -217,11 +219,31 @@ def norm_after_projection() -> None:
   decoder.Block.__call__ = call
 
 
+def single_pass_decode_attention() -> None:
+  """One-token attention as a single pass per (sequence, KV head) in this child process only: the
+  kernel's tiling with no split of the committed slots (`Tiling.n_splits` 0) and 128-slot blocks
+  where the accumulator allows, so no partials are merged after it (the three merge kernels of a
+  split step go) at the cost of one program walking the whole context. Verification (T > 1)
+  keeps the split plan. Values: the same attention, summed in another order."""
+  import dataclasses
+
+  from specjax.kernels import verify_attention as va
+  tiling_for = va.tiling_for
+
+  def one_pass(b, t, h, kvh, d, capacity, sm_count=None):
+    tl = tiling_for(b, t, h, kvh, d, capacity, sm_count)
+    if tl is None or t != 1:
+      return tl
+    return dataclasses.replace(tl, block_k=64 if tl.block_m * d >= 8192 else 128, n_splits=0)
+  va.tiling_for = one_pass
+
+
 # variants that change the model's code as well as the flags: name -> patch, applied in the child
 PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_products,
            "in_out_products": in_out_products, "greedy_argmax": greedy_argmax,
            "scatter_cache_write": scatter_cache_write,
-           "norm_after_projection": norm_after_projection}
+           "norm_after_projection": norm_after_projection,
+           "single_pass_decode_attention": single_pass_decode_attention}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",

@@ -340,3 +340,39 @@ def test_norm_after_projection_changes_values_by_rounding_only(monkeypatch):
   assert got[0] == want[0]
   for g, w in zip(got[1:], want[1:]):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_single_pass_decode_attention_keeps_the_tokens(monkeypatch):
+  """The `single_pass_decode_attention` variant's patch (one-token attention without splits, so
+  nothing to merge) decodes the same greedy tokens as the split kernel, both through the Pallas
+  kernel (interpret mode on the CPU), for one prompt and a ragged batch of two; the patched tiling
+  of a one-token step has no split and a verification's keeps its own."""
+  import jax
+
+  from conftest import TINY_LLAMA, random_params
+  from specjax.engine.decode import generate_plain
+  from specjax.kernels import verify_attention as va
+  spec = importlib.util.spec_from_file_location("decode_flags", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = TINY_LLAMA.replace(head_dim=16)                                # the kernel takes head_dim >= 16
+  params = random_params(cfg, seed=0)
+  prompts = [[3, 7, 1, 12, 5], [9, 2]]
+
+  def run():
+    jax.clear_caches()
+    return [generate_plain(params, cfg, p, max_new_tokens=8, capacity=128).tokens for p in (prompts[:1], prompts)]
+
+  va.set_impl("pallas")
+  try:
+    want = run()
+    monkeypatch.setattr(va, "tiling_for", va.tiling_for)                           # restored after the test
+    module.PATCHES["single_pass_decode_attention"]()
+    shape = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 128)
+    assert va.tiling_for(1, 1, *shape, sm_count=132).n_splits == 0
+    assert va.tiling_for(1, 4, *shape, sm_count=132).n_splits > 0
+    got = run()
+  finally:
+    va.set_impl(None)
+    jax.clear_caches()
+  assert got == want

@@ -5,7 +5,7 @@ Properties checked:
   mask `decoder.attention_masks` builds, so dispatching to the kernel changes no visibility;
 - kernel == reference on random inputs: ragged lengths (0 and a full cache included), K+1 chains
   for K = 0..16, random trees, GQA ratios 1..6, several splits / row blocks / a ragged last block,
-  bf16 and f32;
+  a single pass without splits, bf16 and f32;
 - batch 1 under the split plan of a 132-SM GPU (many splits, splits without a block, an empty
   history) equals the reference; the plan fills the grid to 2x the SMs unless the cache bounds it;
 - slots at or past length + T never enter the result (NaN there leaves the output finite and equal);
@@ -73,6 +73,10 @@ CASES = [
     (2, 17, 6, 2, 16, 90, jnp.float32, False, dict(block_m=16, block_k=16, n_splits=2)),   # 4 row blocks
     (3, 12, 8, 2, 32, 120, jnp.float32, True, dict(block_k=32, n_splits=3)),           # tree, 12 nodes
     (2, 16, 9, 3, 64, 80, jnp.bfloat16, True, dict(block_k=16, n_splits=2)),           # tree, 16 nodes
+    # a single pass (no split, nothing to merge): decode, a chain over row blocks, a tree
+    (3, 1, 9, 3, 64, 200, jnp.float32, False, dict(block_k=32, n_splits=0)),           # decode, SmolLM2 heads
+    (2, 17, 6, 2, 16, 90, jnp.float32, False, dict(block_m=16, block_k=16, n_splits=0)),   # K=16, 4 row blocks
+    (3, 12, 8, 2, 32, 120, jnp.bfloat16, True, dict(block_k=32, n_splits=0)),          # tree, 12 nodes
 ]
 
 

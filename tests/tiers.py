@@ -18,6 +18,7 @@ SLOW: dict[str, str] = {
   "test_decode_flags.py::test_in_out_products_change_no_value": "an experiment variant of decode_flags",
   "test_decode_flags.py::test_scatter_cache_write_changes_no_value": "an experiment variant of decode_flags",
   "test_decode_flags.py::test_norm_after_projection_changes_values_by_rounding_only": "an experiment variant of decode_flags",
+  "test_decode_flags.py::test_single_pass_decode_attention_keeps_the_tokens": "an experiment variant of decode_flags; CI: the kernel's single pass in test_verify_attention",
   "test_decode_flags.py::test_two_row_products_change_no_value": "CI: test_models::test_row_product_two_rows_for_wide_matrices_same_values",
   # sweeps whose every property a CI-tier test checks on a cheaper member
   "test_sharding.py::test_every_speculator_is_lossless_on_a_data_and_model_mesh": "registry on a mesh; CI: greedy on a mesh, sampled law on a mesh, every speculator on one device",

@@ -100,7 +100,8 @@ class Tiling:
   block_m: int       # rows per program
   block_k: int       # cache slots per loop step
   block_t: int       # new-token slots, T padded
-  n_splits: int      # programs over the committed slots of one (sequence, head, row block)
+  n_splits: int      # programs over the committed slots of one (sequence, head, row block); 0: one
+                     # program takes the committed and the new slots (a single pass, nothing to merge)
   num_warps: int
   num_stages: int = 2
 
@@ -156,44 +157,36 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
 
   len_ref []; q_ref [BM, D]; k_ref, v_ref [S, D] (this sequence and head); vis_ref [BM, BT]
   new-token visibility per row; out: o_ref [BM, D] (normalized partial), m_ref, l_ref [BM].
+  With n_splits >= 1, programs 0 .. n_splits - 1 cover the committed slots and program n_splits
+  the new ones; with n_splits = 0 the one program covers both (no partials to merge).
   """
   split = pl.program_id(2)
   length = len_ref[()]
   capacity = k_ref.shape[0]
   q = q_ref[...]                                                                 # [BM, D]
   bm, d = q.shape
+  n_blocks = (length + block_k - 1) // block_k
 
   def finish(o, m, l):   # the normalized partial and its log-sum-exp terms
     plgpu.store(o_ref, (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype))
     plgpu.store(m_ref, m)
     plgpu.store(l_ref, l)
 
-  @pl.when(split < n_splits)
-  def _committed():
-    n_blocks = (length + block_k - 1) // block_k
-    lo = split * n_blocks // n_splits                                            # balanced: no split idles
-    hi = (split + 1) * n_blocks // n_splits                                      # while blocks >= splits
+  def committed_block(i, carry):   # online softmax over committed slots [i * BK, (i + 1) * BK)
+    o, m, l = carry
+    start = i * block_k
+    valid = (start + jnp.arange(block_k)) < length                               # [BK]
+    k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)   # [BK, D]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale                  # [BM, BK] f32
+    s = jnp.where(valid[None, :], s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))                                   # [BM]
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])                                              # [BM, BK]
+    v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)
+    o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)    # [BM, D]
+    return o, m_new, corr * l + jnp.sum(p, axis=1)
 
-    def body(i, carry):
-      o, m, l = carry
-      start = i * block_k
-      valid = (start + jnp.arange(block_k)) < length                             # [BK]
-      k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)   # [BK, D]
-      s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale                # [BM, BK] f32
-      s = jnp.where(valid[None, :], s, NEG_INF)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))                                 # [BM]
-      corr = jnp.exp(m - m_new)
-      p = jnp.exp(s - m_new[:, None])                                            # [BM, BK]
-      v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=valid[:, None], other=0.0)
-      o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [BM, D]
-      return o, m_new, corr * l + jnp.sum(p, axis=1)
-
-    init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32),
-            jnp.zeros((bm,), jnp.float32))
-    finish(*lax.fori_loop(lo, hi, body, init))
-
-  @pl.when(split == n_splits)
-  def _new_tokens():
+  def new_slots(o, m, l):   # the new tokens' slots [length, length + T) under the mask among them
     bt = vis_ref.shape[1]
     u = jnp.arange(bt)
     valid = (u < t) & (length + u < capacity)                                    # [BT]
@@ -201,9 +194,26 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
     v = plgpu.load(v_ref.at[pl.ds(length, bt), :], mask=valid[:, None], other=0.0)
     vis = (vis_ref[...] != 0) & valid[None, :]                                   # [BM, BT]
     s = jnp.where(vis, plgpu.dot(q, k, trans_b=True, precision=precision) * scale, NEG_INF)
-    m = jnp.max(s, axis=1)
-    p = jnp.where(vis, jnp.exp(s - m[:, None]), 0.0)
-    finish(plgpu.dot(p.astype(v.dtype), v, precision=precision), m, jnp.sum(p, axis=1))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+    o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o, m_new, corr * l + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32))
+  if n_splits == 0:
+    finish(*new_slots(*lax.fori_loop(0, n_blocks, committed_block, init)))
+    return
+
+  @pl.when(split < n_splits)
+  def _committed():
+    lo = split * n_blocks // n_splits                                            # balanced: no split idles
+    hi = (split + 1) * n_blocks // n_splits                                      # while blocks >= splits
+    finish(*lax.fori_loop(lo, hi, committed_block, init))
+
+  @pl.when(split == n_splits)
+  def _new_tokens():
+    finish(*new_slots(*init))
 
 
 def merge_partials(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -270,7 +280,7 @@ def pallas_verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, ragged: Ra
       interpret=interpret,
       name="verify_attention",
   )(lengths, qr, k, v, vis)
-  out = merge_partials(o, m, l)                                                  # [B, KVH, R, D] f32
+  out = merge_partials(o, m, l) if n_out > 1 else o[:, :, 0].astype(jnp.float32)   # [B, KVH, R, D] f32
   out = out[:, :, :t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4)      # [B, T, KVH, G, D]
   return out.reshape(b, t, h, d)
 
