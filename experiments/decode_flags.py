@@ -80,6 +80,12 @@ VARIANTS = {
     # loop itself captured too
     "fused_cmdbuf": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
     "fused_cmdbuf_while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    # the decode loop itself in a command buffer with its body unrolled into the graph, graphs of any size
+    "cmdbuf_while_unroll": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+                           " --xla_gpu_command_buffer_unroll_loops=true --xla_gpu_graph_min_graph_size=1",
+    # programmatic dependent launch off (Hopper: a kernel's prologue overlaps its predecessor's tail
+    # where XLA's emitters allow it; what it buys a chain of small kernels)
+    "no_pdl": "--xla_gpu_enable_pdl=false",
 }
 
 # variants that set environment variables in the child: name -> {variable: value}
