@@ -82,7 +82,8 @@ def cases(shape, m: int, rng, dtype):
   n = (h + 2 * kvh) * hd
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   nw = (1 + 0.1 * normal(d)).astype(dtype)
-  wqkv, wo, wgu, wd = (normal(a, b).astype(dtype) / 8 for a, b in ((d, n), (h * hd, d), (d, 2 * f), (f, d)))
+  # weights [out, in], as `layers.Linear` stores them; XLA's products below take them as the model does
+  wqkv, wo, wgu, wd = (normal(a, b).astype(dtype) / 8 for a, b in ((n, d), (d, h * hd), (2 * f, d), (d, f)))
   pos = jnp.asarray(rng.integers(0, 500, (1, m)), jnp.int32)
   cos, sin = fused_layer.rope_tables(pos, hd, 100000.0)
   hin, act = normal(m, h * hd), normal(m, f).astype(dtype)
@@ -94,11 +95,11 @@ def cases(shape, m: int, rng, dtype):
   is_v = (jnp.arange(n // hd) % (group + 2)) == group + 1                        # [heads] value heads of the fused layout
 
   def qkv_xla(x):   # in the fused column layout (`layers.qkv_layout`): q and k heads rotated, v heads not
-    y = jnp.dot(normed(x), wqkv, preferred_element_type=jnp.float32).reshape(1, m, n // hd, hd)
+    y = jnp.einsum("mi,oi->mo", normed(x), wqkv, preferred_element_type=jnp.float32).reshape(1, m, n // hd, hd)
     return jnp.where(is_v[None, None, :, None], y, rope(y, pos, 100000.0)).reshape(m, n)
 
   def gate_up_xla(x):
-    g, u = split_gate_up(jnp.dot(normed(x), wgu, preferred_element_type=jnp.float32))
+    g, u = split_gate_up(jnp.einsum("mi,oi->mo", normed(x), wgu, preferred_element_type=jnp.float32))
     return (jax.nn.silu(g) * u).astype(dtype)
 
   head = lambda y: y[:, :d].astype(jnp.float32)
@@ -108,12 +109,13 @@ def cases(shape, m: int, rng, dtype):
                                                              n_kv_heads=kvh, head_dim=hd, tiling=tl),
                         qkv_xla, head, normal(m, d)),
       "matmul_residual o_proj": (d, h * hd, lambda r, tl: fd.matmul_residual(hin, wo, r, tiling=tl),
-                                 lambda r: r + jnp.dot(hin.astype(dtype), wo, preferred_element_type=jnp.float32),
+                                 lambda r: r + jnp.einsum("mi,oi->mo", hin.astype(dtype), wo,
+                                                          preferred_element_type=jnp.float32),
                                  same, normal(m, d)),
       "norm_gate_up": (2 * f, d, lambda x, tl: fd.norm_gate_up(x, nw, wgu, eps=1e-5, offset=False, tiling=tl),
                        gate_up_xla, head, normal(m, d)),
       "matmul_residual down_proj": (d, f, lambda r, tl: fd.matmul_residual(act, wd, r, tiling=tl),
-                                    lambda r: r + jnp.dot(act, wd, preferred_element_type=jnp.float32),
+                                    lambda r: r + jnp.einsum("mi,oi->mo", act, wd, preferred_element_type=jnp.float32),
                                     same, normal(m, d)),
   }
 

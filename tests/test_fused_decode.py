@@ -116,14 +116,14 @@ def test_kernels_over_row_blocks_and_ragged_columns(tiling):
   d, f, h, kvh, hd = 72, 80, 4, 2, 32
   n = (h + 2 * kvh) * hd
   normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  x, nw, wqkv, bias = normal(m, d), 1 + 0.1 * normal(d), normal(d, n) / 8, normal(n)
+  x, nw, wqkv, bias = normal(m, d), 1 + 0.1 * normal(d), normal(n, d) / 8, normal(n)   # weights [out, in]
   pos = jnp.asarray(rng.integers(0, 500, (1, m)), jnp.int32)
   cos, sin = fused_layer.rope_tables(pos, hd, 10000.0)
   tol = dict(rtol=2e-5, atol=2e-5)
 
   xn = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * nw
   hp = jax.lax.Precision.HIGHEST
-  q, k, v = split_qkv((jnp.dot(xn, wqkv, precision=hp) + bias)[None], h, kvh, hd)
+  q, k, v = split_qkv((jnp.dot(xn, wqkv.T, precision=hp) + bias)[None], h, kvh, hd)
   got = fd.norm_qkv_rope(x, nw, wqkv, cos, sin, eps=1e-5, offset=False, n_heads=h, n_kv_heads=kvh, head_dim=hd,
                          bias=bias, tiling=tl)
   gq, gk, gv = split_qkv(got[None], h, kvh, hd)
@@ -131,16 +131,16 @@ def test_kernels_over_row_blocks_and_ragged_columns(tiling):
   np.testing.assert_allclose(np.asarray(gk), np.asarray(rope(k, pos, 10000.0)), **tol)
   np.testing.assert_allclose(np.asarray(gv), np.asarray(v), **tol)
 
-  hin, wo, res = normal(m, h * hd), normal(h * hd, d) / 8, normal(m, d)
+  hin, wo, res = normal(m, h * hd), normal(d, h * hd) / 8, normal(m, d)
   np.testing.assert_allclose(np.asarray(fd.matmul_residual(hin, wo, res, nw, tiling=tl)),
-                             np.asarray(res + (jnp.dot(hin, wo, precision=hp) + nw)), **tol)
+                             np.asarray(res + (jnp.dot(hin, wo.T, precision=hp) + nw)), **tol)
 
-  wgu = normal(d, 2 * f) / 8
-  g, u = split_gate_up(jnp.dot(xn, wgu, precision=hp))
+  wgu = normal(2 * f, d) / 8
+  g, u = split_gate_up(jnp.dot(xn, wgu.T, precision=hp))
   np.testing.assert_allclose(np.asarray(fd.norm_gate_up(x, nw, wgu, eps=1e-5, offset=False, tiling=tl)),
                              np.asarray(jax.nn.silu(g) * u), **tol)
   xn1 = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * (1 + nw)   # Gemma's (1 + w)
-  g, u = split_gate_up(jnp.dot(xn1, wgu, precision=hp))
+  g, u = split_gate_up(jnp.dot(xn1, wgu.T, precision=hp))
   np.testing.assert_allclose(np.asarray(fd.norm_gate_up(x, nw, wgu, eps=1e-5, offset=True, activation="gelu_tanh",
                                                         tiling=tl)),
                              np.asarray(jax.nn.gelu(g, approximate=True) * u), **tol)
@@ -234,19 +234,19 @@ def test_kernels_lower_to_triton_for_cuda(shape, rows):
   n, m = (h + 2 * kvh) * hd, rows
   sds, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
   common = dict(eps=1e-5, offset=False, n_heads=h, n_kv_heads=kvh, head_dim=hd, interpret=False)
-  qkv_args = [sds((m, d), f32), sds((d,), bf), sds((d, n), bf), sds((m, hd // 2), f32), sds((m, hd // 2), f32)]
+  qkv_args = [sds((m, d), f32), sds((d,), bf), sds((n, d), bf), sds((m, hd // 2), f32), sds((m, hd // 2), f32)]
   calls = [
       (lambda x, nw, w, c, s, b: fd.norm_qkv_rope(x, nw, w, c, s, bias=b, **common), qkv_args + [sds((n,), bf)]),
       (lambda x, nw, w, c, s, qn, kn: fd.norm_qkv_rope(x, nw, w, c, s, q_norm=qn, k_norm=kn, **common),
        qkv_args + [sds((hd,), bf), sds((hd,), bf)]),
       (lambda a, w, r, b: fd.matmul_residual(a, w, r, b, interpret=False),
-       [sds((m, h * hd), f32), sds((h * hd, d), bf), sds((m, d), f32), sds((d,), bf)]),
+       [sds((m, h * hd), f32), sds((d, h * hd), bf), sds((m, d), f32), sds((d,), bf)]),
       (lambda a, w, r: fd.matmul_residual(a, w, r, interpret=False),
-       [sds((m, f), bf), sds((f, d), bf), sds((m, d), f32)]),
+       [sds((m, f), bf), sds((d, f), bf), sds((m, d), f32)]),
       (lambda x, nw, w: fd.norm_gate_up(x, nw, w, eps=1e-5, offset=False, interpret=False),
-       [sds((m, d), f32), sds((d,), bf), sds((d, 2 * f), bf)]),
+       [sds((m, d), f32), sds((d,), bf), sds((2 * f, d), bf)]),
       (lambda x, nw, w: fd.norm_gate_up(x, nw, w, eps=1e-6, offset=True, activation="gelu_tanh", interpret=False),
-       [sds((m, d), f32), sds((d,), bf), sds((d, 2 * f), bf)]),
+       [sds((m, d), f32), sds((d,), bf), sds((2 * f, d), bf)]),
   ]
   for fn, args in calls:
     exp = export.export(jax.jit(fn), platforms=["cuda"],

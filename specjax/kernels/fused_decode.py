@@ -21,8 +21,10 @@ The fused column layouts are those of `specjax.models.layers` (`qkv_layout`, `ga
 q / k / v: heads of D contiguous columns, G + 2 per KV head (its G query heads, K_g, V_g), so head
 u is a query head when u % (G + 2) < G, a key head when it equals G, else a value head. Rotary
 pairs column c of a head with c + D/2: a program takes a block of columns of each half of one head
-(two dots) and rotates them in registers. gate / up: gate_j, up_j side by side; seen as [d, F, 2]
-(a free reshape) a program loads the gate and up tiles of the same units as two strided tiles.
+(two dots) and rotates them in registers. gate / up: gate_j, up_j rows side by side; seen as
+[F, 2, d] (a free reshape) a program loads the gate and up rows of the same units as two strided
+tiles. Weights are [out, in] (`layers.Linear`): every tile is a block of output rows, each row's
+contraction contiguous in memory.
 
 Triton needs power-of-two tiles: widths that are not (SmolLM2's 576, 1536) are covered by masked
 loads and stores, never by padded weights. Numerics follow `layers.Linear` / `RMSNorm` / `rope`:
@@ -88,12 +90,12 @@ def tiling_for(m: int, n: int, *, widest: int = 128, sm_count: int | None = None
 
 
 def _contract(x, w, *, dot: bool, precision):
-  """[BM, BN] float32 partial product of x [BM, BK] (weight dtype) and w [BK, BN]: a tensor-core dot,
-  or for one row (BM 1) the elementwise product summed over the contraction in float32."""
+  """[BM, BN] float32 partial product of x [BM, BK] (weight dtype) and a weight tile w [BN, BK] (the
+  weights are stored [out, in], `layers.Linear`): a tensor-core dot, or for one row (BM 1) the
+  elementwise product summed along each weight row's contiguous contraction in float32."""
   if dot:
-    return plgpu.dot(x, w, precision=precision)
-  bk = x.shape[1]
-  return jnp.sum(x.astype(jnp.float32).reshape(bk, 1) * w.astype(jnp.float32), axis=0, keepdims=True)
+    return plgpu.dot(x, w, trans_b=True, precision=precision)
+  return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=1)[None, :]
 
 
 def _check_tiling(tl: Tiling) -> None:
@@ -224,7 +226,7 @@ def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, 
                 unroll: bool):
   """One (row block, head chunk) program: columns [c, c + BH) of both halves of one head.
 
-  x_ref [M, d] f32; nw_ref [d]; w_ref [d, N]; cos_ref, sin_ref [M, D/2] f32; (b_ref [N]);
+  x_ref [M, d] f32; nw_ref [d]; w_ref [N, d]; cos_ref, sin_ref [M, D/2] f32; (b_ref [N]);
   (qn_ref, kn_ref [D]); o_ref [M, N] f32.
   """
   x_ref, nw_ref, w_ref, cos_ref, sin_ref, *rest, o_ref = refs
@@ -237,9 +239,9 @@ def _qkv_kernel(*refs, m: int, d: int, eps: float, offset: bool, head_dim: int, 
   col_b = col_a + half                                                            # their rotary partners
   row0, row_ok = _row_mask(m, bm)
 
-  def load_of(k0, k_ok):   # [BK, BH] weight tiles of both halves
-    return (plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_a, bh)], mask=k_ok[:, None], other=0),
-            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col_b, bh)], mask=k_ok[:, None], other=0))
+  def load_of(k0, k_ok):   # [BH, BK] weight tiles of both halves
+    return (plgpu.load(w_ref.at[pl.ds(col_a, bh), pl.ds(k0, bk)], mask=k_ok[None, :], other=0),
+            plgpu.load(w_ref.at[pl.ds(col_b, bh), pl.ds(k0, bk)], mask=k_ok[None, :], other=0))
 
   def contract_of(xn, tiles, acc):
     (wa, wb), (a, b) = tiles, acc
@@ -278,13 +280,13 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
                   interpret: bool | None = None) -> jax.Array:
   """rope(qkv(rms_norm(x))) in the fused column layout (`layers.qkv_layout`): q and k rotated, v not.
 
-  x [M, d] float32 rows; norm_w [d]; w [d, (H+2KVH)*D]; cos, sin [M, D/2] float32 (this row's
+  x [M, d] float32 rows; norm_w [d]; w [(H+2KVH)*D, d] ([out, in]); cos, sin [M, D/2] float32 (this row's
   rotary angles, `layers.rope`'s); bias [(H+2KVH)*D]; q_norm / k_norm [D] (QK-norm, both or
   neither). -> [M, (H+2KVH)*D] float32 (`layers.split_qkv` cuts it into q, k, v).
   """
   m, d = x.shape
-  n = w.shape[1]
-  if n != (n_heads + 2 * n_kv_heads) * head_dim or n_heads % n_kv_heads:
+  n = w.shape[0]
+  if w.shape[1] != d or n != (n_heads + 2 * n_kv_heads) * head_dim or n_heads % n_kv_heads:
     raise ValueError(f"qkv weight {w.shape} does not hold {n_heads} + 2 x {n_kv_heads} heads of {head_dim}")
   if head_dim != _pow2(head_dim) or head_dim < 32:
     raise ValueError(f"head_dim {head_dim}: the kernel needs a power of two >= 32")
@@ -313,17 +315,17 @@ def norm_qkv_rope(x: jax.Array, norm_w: jax.Array, w: jax.Array, cos: jax.Array,
 
 def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: int, has_bias: bool, precision,
                      dot: bool, unroll: bool):
-  """One (row block, column block) program. h_ref [M, K]; w_ref [K, N]; r_ref [M, N] float32;
+  """One (row block, column block) program. h_ref [M, K]; w_ref [N, K]; r_ref [M, N] float32;
   (b_ref [N]); o_ref [M, N] float32."""
   h_ref, w_ref, r_ref, *rest, o_ref = refs
   row0, row_ok = _row_mask(m, bm)
   col0 = pl.program_id(1) * bn
   col_ok = (col0 + jnp.arange(bn)) < n                                            # [BN]
 
-  def load(k0):   # h [BM, BK] and w [BK, BN] of one contraction block
+  def load(k0):   # h [BM, BK] and w [BN, BK] of one contraction block
     k_ok = (k0 + jnp.arange(bk)) < k_size                                         # [BK]
     return (plgpu.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0),
-            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=k_ok[:, None] & col_ok[None, :], other=0))
+            plgpu.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :], other=0))
 
   def contract_of(tiles, acc):
     h, wt = tiles
@@ -346,10 +348,12 @@ def _residual_kernel(*refs, m: int, k_size: int, n: int, bm: int, bn: int, bk: i
 
 def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.Array | None = None, *,
                     tiling: Tiling | None = None, interpret: bool | None = None) -> jax.Array:
-  """residual + (h @ w (+ bias)): h [M, K] (rounded to w's dtype); w [K, N]; residual [M, N]
-  float32; bias [N]. -> [M, N] float32, the layer's residual stream after o_proj or down_proj."""
+  """residual + (h @ w.T (+ bias)): h [M, K] (rounded to w's dtype); w [N, K] ([out, in]); residual
+  [M, N] float32; bias [N]. -> [M, N] float32, the layer's residual stream after o_proj or down_proj."""
   m, k = h.shape
-  n = w.shape[1]
+  n = w.shape[0]
+  if w.shape[1] != k:
+    raise ValueError(f"weight {w.shape} does not take rows of {k}")
   tl = tiling or tuned_tiling("matmul_residual", m, n, k) or tiling_for(m, n)
   _check_tiling(tl)
   inputs = [h, w, residual] + ([bias] if bias is not None else [])
@@ -372,16 +376,16 @@ def matmul_residual(h: jax.Array, w: jax.Array, residual: jax.Array, bias: jax.A
 
 def _gate_up_kernel(x_ref, nw_ref, w_ref, o_ref, *, m: int, d: int, f: int, eps: float, offset: bool,
                     activation: str, bm: int, bf: int, bk: int, precision, dot: bool, unroll: bool):
-  """One (row block, unit block) program. x_ref [M, d] f32; nw_ref [d]; w_ref [d, F, 2] (gate_j,
-  up_j side by side); o_ref [M, F]."""
+  """One (row block, unit block) program. x_ref [M, d] f32; nw_ref [d]; w_ref [F, 2, d] (gate_j,
+  up_j rows side by side); o_ref [M, F]."""
   row0, row_ok = _row_mask(m, bm)
   u0 = pl.program_id(1) * bf
   unit_ok = (u0 + jnp.arange(bf)) < f                                             # [BF]
 
-  def load_of(k0, k_ok):   # [BK, BF] gate and up columns
-    ok = k_ok[:, None] & unit_ok[None, :]
-    return (plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(0)], mask=ok, other=0),
-            plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(u0, bf), jnp.int32(1)], mask=ok, other=0))
+  def load_of(k0, k_ok):   # [BF, BK] gate and up rows
+    ok = unit_ok[:, None] & k_ok[None, :]
+    return (plgpu.load(w_ref.at[pl.ds(u0, bf), jnp.int32(0), pl.ds(k0, bk)], mask=ok, other=0),
+            plgpu.load(w_ref.at[pl.ds(u0, bf), jnp.int32(1), pl.ds(k0, bk)], mask=ok, other=0))
 
   def contract_of(xn, tiles, acc):
     (wg, wu), (g, u) = tiles, acc
@@ -399,13 +403,16 @@ def norm_gate_up(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float, o
                  interpret: bool | None = None) -> jax.Array:
   """act(gate) * up of rms_norm(x) (`layers.MLP` before down_proj).
 
-  x [M, d] float32 rows; norm_w [d]; w [d, 2F] in the fused layout (`layers.gate_up_layout`:
-  gate_j, up_j side by side). -> [M, F] in w's dtype (down_proj rounds its input to it anyway).
+  x [M, d] float32 rows; norm_w [d]; w [2F, d] ([out, in]) in the fused layout
+  (`layers.gate_up_layout`: gate_j, up_j rows side by side). -> [M, F] in w's dtype (down_proj rounds
+  its input to it anyway).
   """
   if activation not in ACTIVATIONS:
     raise ValueError(f"activation {activation!r}: the kernel has {ACTIVATIONS}")
   m, d = x.shape
-  f = w.shape[1] // 2
+  f = w.shape[0] // 2
+  if w.shape != (2 * f, d):
+    raise ValueError(f"gate / up weight {w.shape} is not [2F, {d}]")
   tl = tiling or tuned_tiling("norm_gate_up", m, 2 * f, d) or tiling_for(m, f)
   _check_tiling(tl)
   kernel = functools.partial(_gate_up_kernel, m=m, d=d, f=f, eps=float(eps), offset=offset, activation=activation,
@@ -418,4 +425,4 @@ def norm_gate_up(x: jax.Array, norm_w: jax.Array, w: jax.Array, *, eps: float, o
       compiler_params=plgpu.CompilerParams(num_warps=tl.num_warps, num_stages=tl.num_stages),
       interpret=interpreted.interpret_default(interpret),
       name="norm_gate_up",
-  )(x, norm_w, w.reshape(d, f, 2))
+  )(x, norm_w, w.reshape(f, 2, d))

@@ -4,9 +4,8 @@
 attention dispatch) in four kernel launches besides attention and the cache write
 (`specjax.kernels.fused_decode`): RMSNorm + q/k/v projection + rotary; o_proj + residual add;
 RMSNorm + gate/up projection + act(gate) * up; down projection + residual add. A decode step at
-small batch is bound by launches, so fewer of them is the point. The kernels read [in, out]
-weight tiles, so each step hands them the layers' [out, in] kernels transposed (an XLA transpose
-per weight and call: one more reason the path stays off by default).
+small batch is bound by launches, so fewer of them is the point. The kernels read the layers'
+[out, in] kernels as they are stored.
 
 It serves steps of at most `fused_decode.MAX_ROWS` rows (batch x new tokens: decode and chain /
 tree verification) of configs `unsupported` accepts; anything else (prefill, sandwich norms, the
@@ -95,7 +94,7 @@ def fused_block(block: decoder.Block, x: jax.Array, positions: jax.Array, write_
     qk = dict(q_norm=attn.q_norm.weight[...], k_norm=attn.k_norm.weight[...], qk_eps=attn.q_norm.eps,
               qk_offset=attn.q_norm.offset)
   qkv = fused_decode.norm_qkv_rope(
-      rows, ln1.weight[...], attn.qkv_proj.kernel[...].T, cos, sin, eps=ln1.eps, offset=ln1.offset,
+      rows, ln1.weight[...], attn.qkv_proj.kernel[...], cos, sin, eps=ln1.eps, offset=ln1.offset,
       n_heads=h, n_kv_heads=kvh, head_dim=hd, bias=param(attn.qkv_proj.bias), interpret=interpret,
       **qk)                                                                       # [M, (H+2KVH)*D]
   q, k, v = split_qkv(qkv.reshape(b, t, -1), h, kvh, hd)                          # [B, T, H | KVH, D]
@@ -103,11 +102,11 @@ def fused_block(block: decoder.Block, x: jax.Array, positions: jax.Array, write_
   kind = "sliding" if block.sliding else "full"
   ragged = masks.get("ragged", {}).get(kind)
   out = verify_attention.attention(q, k_all, v_all, masks[kind], attn.scale, ragged)   # [B, T, H, D] f32
-  rows = fused_decode.matmul_residual(out.reshape(b * t, h * hd), attn.o_proj.kernel[...].T, rows,
+  rows = fused_decode.matmul_residual(out.reshape(b * t, h * hd), attn.o_proj.kernel[...], rows,
                                       param(attn.o_proj.bias), interpret=interpret)   # [M, d_model]
-  act = fused_decode.norm_gate_up(rows, ln2.weight[...], mlp.gate_up_proj.kernel[...].T, eps=ln2.eps,
+  act = fused_decode.norm_gate_up(rows, ln2.weight[...], mlp.gate_up_proj.kernel[...], eps=ln2.eps,
                                   offset=ln2.offset, activation=mlp.activation, interpret=interpret)   # [M, F]
-  rows = fused_decode.matmul_residual(act, mlp.down_proj.kernel[...].T, rows, interpret=interpret)
+  rows = fused_decode.matmul_residual(act, mlp.down_proj.kernel[...], rows, interpret=interpret)
   return rows.reshape(b, t, dm), (k_all, v_all)
 
 
