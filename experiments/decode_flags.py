@@ -15,6 +15,10 @@ read once, when the backend starts):
 - times plain generation (`generate_plain`) at each --batch for --new-tokens and for twice as many
   tokens, median of --repeats each: ms per decode step = the difference over the extra tokens, so
   prefill and the call's fixed cost drop out.
+- with --verify-tokens T..., times a T-token forward (what a chain verification of T - 1 drafts, or
+  a tree of T nodes, runs through the target) at each --batch over --context committed slots, in a
+  device loop of --new-tokens and twice as many iterations (`verify_row`): what a variant does to
+  verification rounds beside decode steps.
 
 The target: SmolLM2-135M-Instruct's weights (--model, fetched), or its shapes with random weights
 (--random-shape: no download; speed does not depend on the values), or a tiny float32 model on the
@@ -68,6 +72,8 @@ VARIANTS = {
     "norm_after_projection": "",
     # one-token attention as one pass per KV head, no split partials to merge (`single_pass_decode_attention`)
     "single_pass_decode_attention": "",
+    # every step's attention (verification too) as one pass, nothing to merge (`single_pass_attention`)
+    "single_pass_attention": "",
     # one-token decode attention through XLA instead of the Pallas kernel (no padded query, no
     # split-combine; `VARIANT_ENV`)
     "xla_decode_attention": "",
@@ -225,12 +231,12 @@ def norm_after_projection() -> None:
   decoder.Block.__call__ = call
 
 
-def single_pass_decode_attention() -> None:
-  """One-token attention as a single pass per (sequence, KV head) in this child process only: the
-  kernel's tiling with no split of the committed slots (`Tiling.n_splits` 0) and 128-slot blocks
-  where the accumulator allows, so no partials are merged after it (the three merge kernels of a
-  split step go) at the cost of one program walking the whole context. Verification (T > 1)
-  keeps the split plan. Values: the same attention, summed in another order."""
+def single_pass_attention(max_tokens: int | None = None) -> None:
+  """Attention of steps of at most `max_tokens` new tokens (every step: None) as a single pass per
+  (sequence, KV head, row block), in this child process only: the kernel's tiling with no split of
+  the committed slots (`Tiling.n_splits` 0) and 128-slot blocks where the accumulator allows, so no
+  partials are merged after it (the three merge kernels of a split step go) at the cost of one
+  program walking the whole context. Values: the same attention, summed in another order."""
   import dataclasses
 
   from specjax.kernels import verify_attention as va
@@ -238,7 +244,7 @@ def single_pass_decode_attention() -> None:
 
   def one_pass(b, t, h, kvh, d, capacity, sm_count=None):
     tl = tiling_for(b, t, h, kvh, d, capacity, sm_count)
-    if tl is None or t != 1:
+    if tl is None or (max_tokens is not None and t > max_tokens):
       return tl
     return dataclasses.replace(tl, block_k=64 if tl.block_m * d >= 8192 else 128, n_splits=0)
   va.tiling_for = one_pass
@@ -249,7 +255,8 @@ PATCHES = {"two_row_products": two_row_products, "one_row_products": one_row_pro
            "in_out_products": in_out_products, "greedy_argmax": greedy_argmax,
            "scatter_cache_write": scatter_cache_write,
            "norm_after_projection": norm_after_projection,
-           "single_pass_decode_attention": single_pass_decode_attention}
+           "single_pass_decode_attention": lambda: single_pass_attention(max_tokens=1),
+           "single_pass_attention": single_pass_attention}
 
 # instructions that launch no kernel of their own
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
@@ -342,9 +349,41 @@ def child(args) -> dict:
     ms = 1e3 * (times[2 * args.new_tokens] - times[args.new_tokens]) / args.new_tokens
     rows.append({"batch": b, "ms_per_step": round(ms, 4), "tokens_per_s_steps": round(1e3 * b / ms, 1),
                  "seconds": {str(k): round(v, 5) for k, v in times.items()}})
+  verify = [verify_row(target, cfg, b, t, args, dtype, rng) for t in args.verify_tokens for b in args.batch]
   return {"kernels_per_layer": per_layer, "kernels_outside_layers": kernels[1] - per_layer,
           "kernels_per_step": kernels[1] + (cfg.n_layers - 1) * per_layer, "n_layers": cfg.n_layers,
-          "rows": rows, "device": device_info(), "target": target.name, "cfg": repr(cfg)}
+          "rows": rows, "verify_rows": verify, "device": device_info(), "target": target.name, "cfg": repr(cfg)}
+
+
+def verify_row(target, cfg, batch: int, t: int, args, dtype, rng) -> dict:
+  """ms of one T-token forward (a chain verification's, or a decode step's at T = 1) inside a
+  device loop: the target's `verify` of the same T random tokens over a cache of --context
+  committed slots, repeated with the lengths held (every iteration writes the same slots and sees
+  the same context), its logits' argmax summed so the LM head is not optimized away. Timed at
+  --new-tokens and twice as many iterations: the difference per iteration is the forward alone
+  (no dispatch, no prefill)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.bench.timing import time_call
+  from specjax.engine.generation import target_of
+  from specjax.models.kv_cache import KVCache
+  runner = target_of(cfg)
+  tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (batch, t)), jnp.int32)
+  cache = KVCache.init(cfg, batch, args.capacity, dtype).with_lengths(jnp.full((batch,), args.context, jnp.int32))
+
+  def loop(n):
+    def body(_, carry):
+      c, acc = carry
+      logits, _, after, _ = runner.verify(target.params, cfg, tokens, c)
+      return after.with_lengths(c.lengths), acc + jnp.sum(jnp.argmax(logits, axis=-1))
+    return jax.jit(lambda c: jax.lax.fori_loop(0, n, body, (c, jnp.int32(0)))[1])
+
+  times = {n: time_call(loop(n), (cache,), args.repeats, iters=1)               # ms a call, median
+           for n in (args.new_tokens, 2 * args.new_tokens)}
+  ms = (times[2 * args.new_tokens] - times[args.new_tokens]) / args.new_tokens
+  return {"batch": batch, "tokens": t, "context": args.context, "ms_per_forward": round(ms, 4),
+          "seconds": {str(k): round(v / 1e3, 5) for k, v in times.items()}}
 
 
 def main(argv=None) -> int:
@@ -362,6 +401,9 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt-len", type=int, default=64)
   ap.add_argument("--capacity", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--verify-tokens", type=int, nargs="*", default=[],
+                  help="also time a T-token forward (chain verification) in a device loop for each T, at each --batch")
+  ap.add_argument("--context", type=int, default=256, help="committed slots the --verify-tokens forwards attend to")
   ap.add_argument("--out", required=True)
   ap.add_argument("--one", default=None, help=argparse.SUPPRESS)        # the child's variant
   args = ap.parse_args(argv)
@@ -391,6 +433,9 @@ def main(argv=None) -> int:
       steps = "  ".join(f"b{row['batch']} {row['ms_per_step']:.3f} ms" for row in got["rows"])
       print(f"[decode_flags] {name:22s} kernels/layer {got['kernels_per_layer']:3d}  outside {got['kernels_outside_layers']:3d}"
             f"  step {got['kernels_per_step']:4d}  {steps}", flush=True)
+      for row in got["verify_rows"]:
+        print(f"[decode_flags] {name:22s} b{row['batch']} T={row['tokens']:<3d} forward {row['ms_per_forward']:.3f} ms",
+              flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
   return 0

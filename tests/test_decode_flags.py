@@ -97,7 +97,8 @@ def test_tiny_dry_run_writes_kernels_and_timings(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPECJAX_COMPILE_CACHE": "0", "SPECJAX_GIT_REV": "test"}
   r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--variants", "default", "--batch", "1",
                       "--new-tokens", "4", "--repeats", "1", "--capacity", "128", "--prompt-len", "8",
-                      "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                      "--verify-tokens", "3", "--context", "16", "--out", str(out)],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-4000:]
   got = json.loads(out.read_text())
   row = got["results"]["default"]
@@ -105,6 +106,8 @@ def test_tiny_dry_run_writes_kernels_and_timings(tmp_path):
   assert row["kernels_per_layer"] > 0 and row["kernels_outside_layers"] > 0, row
   assert row["kernels_per_step"] == row["kernels_outside_layers"] + row["n_layers"] * row["kernels_per_layer"]
   assert [x["batch"] for x in row["rows"]] == [1] and set(row["rows"][0]["seconds"]) == {"4", "8"}
+  verify = row["verify_rows"]                                              # a 3-token forward in a device loop
+  assert [(v["batch"], v["tokens"], v["context"]) for v in verify] == [(1, 3, 16)] and set(verify[0]["seconds"]) == {"4", "8"}
   assert got["git_revision"] == "test" and "[decode_flags] default" in r.stdout
 
 
