@@ -171,17 +171,11 @@ def scatter_cache_write() -> None:
   child process only: the model's write before batch 1 took a `dynamic_update_slice`. XLA turns
   that scatter into a slice update behind a select of the old slots where a slot is out of range,
   a kernel of its own per layer (and the range check another). Same values within the capacity."""
-  import jax
-  import jax.numpy as jnp
-
   from specjax.models import kv_cache
 
   def write(self, layer, k_new, v_new):
-    t = k_new.shape[1]
-
-    def one(cache, new, length):
-      return cache.at[length + jnp.arange(t, dtype=jnp.int32)].set(new.astype(cache.dtype), mode="drop")
-    return jax.vmap(one)(self.k[layer], k_new, self.lengths), jax.vmap(one)(self.v[layer], v_new, self.lengths)
+    return (kv_cache.scatter_rows(self.k[layer], k_new, self.lengths),
+            kv_cache.scatter_rows(self.v[layer], v_new, self.lengths))
   kv_cache.KVCache.write = write
 
 

@@ -195,14 +195,9 @@ def t2d_mask(d2t, vocab_size: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# saving and loading: bf16 safetensors (EAGLE-3 tensor names, [out, in]) + a JSON config
-
-
-def _file_names(path: tuple[str, ...]) -> list[str]:
-  """Parameter path -> tensor names in the file. EAGLE-3's names:
-  `fc.weight`, `midlayer.self_attn.q_proj.weight`, `midlayer.mlp.gate_proj.weight`, `norm.weight`,
-  `lm_head.weight`; fused projections stored as their parts."""
-  return hf_names(path)
+# saving and loading: bf16 safetensors (EAGLE-3 tensor names, [out, in]) + a JSON config. EAGLE-3
+# names its tensors as HF does (`weights.hf_names`): `fc.weight`, `midlayer.self_attn.q_proj.weight`,
+# `midlayer.mlp.gate_proj.weight`, `norm.weight`, `lm_head.weight`; fused projections as their parts.
 
 
 def head_paths(path: str | Path) -> tuple[Path, Path]:
@@ -214,7 +209,7 @@ def head_tensors(hp, d2t, hc: Eagle3Config, dtype="bfloat16") -> dict:
   """The file tensors of a head: its weights as `dtype` under EAGLE-3's names ([out, in], fused
   projections split), `d2t` in EAGLE-3's offset form (target id - draft id, int64) and `t2d`
   (bool [V])."""
-  flat = tensors_from(params_of(hp), _file_names, fused_sizes(hc.layer), dtype=dtype)
+  flat = tensors_from(params_of(hp), hf_names, fused_sizes(hc.layer), dtype=dtype)
   d2t = np.asarray(d2t, np.int64)
   flat["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
   flat["t2d"] = np.asarray(t2d_mask(d2t, hc.target.vocab_size))
@@ -237,7 +232,7 @@ def read_head_tensors(flat: dict, hc: Eagle3Config, what: str, dtype=None) -> tu
       else np.arange(hc.draft_vocab, dtype=np.int32)
   flat.pop("t2d", None)
   abstract = abstract_params(lambda: Eagle3Head(hc, rngs=nnx.Rngs(0)))
-  pure, used = params_from_tensors(abstract, flat, _file_names, what=what, dtype=dtype)
+  pure, used = params_from_tensors(abstract, flat, hf_names, what=what, dtype=dtype)
   refuse_unplaced(flat, used, what)
   return pure, d2t
 

@@ -219,9 +219,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, *,
 def merge_partials(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
   """The split partials merged by their log-sum-exp weights: the weight of split j is
   l_j * exp(m_j - max m). o [B, KVH, NS, R, D] (each split's normalized output), m, l [B, KVH, NS, R]
-  -> [B, KVH, R, D] f32. XLA makes three kernels of it (the max, the weights, the weighted sums); one
-  Pallas kernel doing the same ran slower in a decode step (experiments/README, "How fast is plain
-  decoding?")."""
+  -> [B, KVH, R, D] f32 (three XLA kernels: the max, the weights, the weighted sums)."""
   w = l * jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                         # [B, KVH, NS, R]
   total = jnp.sum(w, axis=2)                                                     # [B, KVH, R]
   out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=2)                  # [B, KVH, R, D] (one fusion)

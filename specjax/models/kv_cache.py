@@ -57,17 +57,25 @@ class KVCache:
     batching dimension of the scatter), dropping slots past the capacity, so a finished or padded
     row that outgrew its cache leaves the others untouched; with the batch split over the mesh's
     "data" axis every device writes its rows where they are (a scatter naming rows by explicit
-    indices would gather every row's keys, values and slots onto every device first). The
-    scatter's bounds check (a select of the old slots) is one kernel per layer that batch 1 saves."""
+    indices would gather every row's keys, values and slots onto every device first). XLA turns the
+    dropping scatter into a slice update behind a select of the old slots, a kernel of its own per
+    layer that the batch-1 write does without."""
     if k_new.shape[0] == 1:
       at = (0, self.lengths[0], 0, 0)
       return (jax.lax.dynamic_update_slice(self.k[layer], k_new.astype(self.k[layer].dtype), at),
               jax.lax.dynamic_update_slice(self.v[layer], v_new.astype(self.v[layer].dtype), at))
-    t = k_new.shape[1]
+    return scatter_rows(self.k[layer], k_new, self.lengths), scatter_rows(self.v[layer], v_new, self.lengths)
 
-    def one(cache, new, length):                                                 # [S, KVH, D], [T, KVH, D], []
-      return cache.at[length + jnp.arange(t, dtype=jnp.int32)].set(new.astype(cache.dtype), mode="drop")
-    return jax.vmap(one)(self.k[layer], k_new, self.lengths), jax.vmap(one)(self.v[layer], v_new, self.lengths)
+
+def scatter_rows(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+  """cache [B, S, KVH, D] with new [B, T, KVH, D] at slots lengths + t of each row, slots past the
+  capacity dropped (a `jax.vmap` of the one-row update: the batch is a batching dimension of the
+  scatter)."""
+  t = new.shape[1]
+
+  def one(rows, new_rows, length):                                               # [S, KVH, D], [T, KVH, D], []
+    return rows.at[length + jnp.arange(t, dtype=jnp.int32)].set(new_rows.astype(rows.dtype), mode="drop")
+  return jax.vmap(one)(cache, new, lengths)
 
 
 def check_capacity(lengths, n_new: int, capacity: int) -> None:

@@ -24,10 +24,9 @@ NEG_INF = verify_attention.NEG_INF
 # A one-row product (a batch-1 decode step) whose weight has at least this many elements runs as a
 # two-row GEMM. XLA's GPU compiler rewrites a one-row product as a broadcast multiply and a
 # reduction. Weights are stored [out, in] so that reduction runs along each weight row's contiguous
-# memory, which XLA fuses with the multiply (stored [in, out], it wrote the whole float32 product
-# to memory first for most projections); for wide matrices a GEMM with a zero second row still
-# reads the weights faster than the fused reduction (experiments/README.md, "How fast is plain
-# decoding?").
+# memory, which XLA fuses with the multiply (across rows it writes the multiply's whole float32
+# product first); for wide matrices a GEMM with a zero second row still reads the weights faster
+# than the fused reduction (experiments/README.md, "How fast is plain decoding?").
 TWO_ROW_MIN_ELEMENTS = 1 << 21
 
 
