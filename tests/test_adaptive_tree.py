@@ -229,7 +229,10 @@ def test_sampling_keeps_the_token_law(target, tmp_path):
 def test_warm_run_times_every_budget_per_drafter(target, tmp_path):
   """The warm-up times whole rounds at every budget with the adaptive program itself and caches
   them per drafter (eagle3_tree's and dflash_tree's rounds differ; their ladders do not); the
-  timed run's record carries them, and generation stays lossless."""
+  timed run chooses with them (not with the forward-only calibration, which is cached without the
+  drafter), so it prunes the ladder as the warm-up did and compiles nothing, and generation stays
+  lossless."""
+  from specjax.engine.adaptive_loop import adaptive_run
   d = _tree("eagle3_tree", target, tmp_path)
   other = _tree("dflash_tree", target, tmp_path)
   ac = adapt.AdaptiveConfig(segment_rounds=3)
@@ -242,6 +245,11 @@ def test_warm_run_times_every_budget_per_drafter(target, tmp_path):
   speculative_generate(target.params, target.cfg, PROMPTS, d, warm_widths=True, **{**kw, "max_new_tokens": 2})
   measured = adapt._COSTS[key]
   assert key in adapt.TIMED and measured.shape == (3,) and np.all(measured > 0), measured
+  compiled = adaptive_run._cache_size()
   res = speculative_generate(target.params, target.cfg, PROMPTS, d, **kw)
   assert res.tokens == generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=MAX_NEW).tokens
-  assert res.stats.adaptive["measured_ms"] == pytest.approx(measured.tolist())
+  rec = res.stats.adaptive
+  assert rec["measured_ms"] == pytest.approx(measured.tolist())
+  kept, kept_costs = adapt.prune_widths(widths, measured, ac.tie)
+  assert rec["widths"] == list(kept) and rec["costs_ms"] == pytest.approx(kept_costs.tolist()), rec
+  assert adaptive_run._cache_size() == compiled

@@ -199,6 +199,11 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
     measured = measure_round_costs(spec, inp, carry, ac=ac, timed=measure)
     if measured is not None:
       costs = adapt.remember_costs(cost_key, measured)
+  elif ac.costs is None and cost_key in adapt.TIMED:
+    # The caller's costs are the forward-only calibration, cached under a key without the drafter;
+    # the whole-round costs timed for this shape (and tree drafter) are what the choice must use, and
+    # the same costs give the same pruned ladder, so the program the warm-up compiled is reused.
+    costs = adapt._COSTS[cost_key]
   kept, kept_costs = adapt.prune_widths(widths, costs, ac.tie)
   record = {"widths": list(kept), "costs_ms": [float(c) for c in kept_costs], "widths_timed": list(widths),
             "measured_ms": (adapt._COSTS[cost_key].tolist() if cost_key in adapt.TIMED else None)}
