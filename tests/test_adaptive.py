@@ -6,6 +6,7 @@ decoding."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -302,3 +303,29 @@ def test_width_zero_segments_of_a_commit_free_drafter_are_plain_decoding(tiny_ll
                              sampling=sampling(), adaptive=ac)
   assert res.tokens == plain
   assert res.stats.gen_tokens == 0 and {s[0] for s in res.stats.adaptive["segments"]} == {0}
+
+
+def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_llama, monkeypatch):
+  """Host loop (ngram_simple, a host drafter) with width 0 the only choice: every round asks no
+  draft, so the rounds between exploring rounds run as plain decoding steps in one device call.
+  Sampled output (T = 1) identical token for token to plain decoding's with the same seed (the
+  same forward, sampler, key stream and emission), and no host-drafted round at all: the only
+  device calls are one per segment of explore_every x segment_rounds rounds."""
+  host_loop_module = importlib.import_module("specjax.engine.host_loop")
+  cfg, params = tiny_llama
+  sampling = lambda: SamplingParams.make(len(PROMPTS3), temperature=1.0, seed=11)
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW, sampling=sampling()).tokens
+  calls = {"host_step": 0, "plain_rounds": 0}
+  for name in calls:
+    real = getattr(host_loop_module, name)
+    def counted(*a, _real=real, _name=name, **kw):
+      calls[_name] += 1
+      return _real(*a, **kw)
+    monkeypatch.setattr(host_loop_module, name, counted)
+  ac = adapt.AdaptiveConfig(widths=(0,), costs=(1.0,), segment_rounds=5, explore_every=2)
+  res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW,
+                             sampling=sampling(), adaptive=ac)
+  assert res.tokens == plain
+  rounds = max(res.stats.per_seq_rounds)
+  assert res.stats.gen_tokens == 0 and res.stats.adaptive["segments"] == [[0, rounds]], res.stats.adaptive
+  assert calls == {"host_step": 0, "plain_rounds": -(-rounds // 10)}, (calls, rounds)

@@ -304,6 +304,19 @@ class HostController:
     self.asked = np.where(live, np.minimum(w, caps), 0)
     return self.asked
 
+  def plain_rounds_ahead(self) -> int:
+    """After `lengths` asked no sequence for a draft: the rounds from that one up to the next
+    exploring round. A round without drafts adds no observation, so until then only a sequence
+    finishing (fewer live rows in the choice) could change what `lengths` asks; the host loop
+    runs these rounds as plain decoding steps in one device call."""
+    period = self.ac.explore_every * self.ac.segment_rounds
+    return period - (self.round - 1) % period
+
+  def ran_plain(self, rounds: int) -> None:
+    """`rounds` more rounds ran at width 0 after the one `lengths` chose (a plain segment)."""
+    self.round += rounds
+    self.chosen.extend([0] * rounds)
+
   def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
     self.state = update(self.state, dlen, n_acc, live, self.ac.decay)
     self.rates.observe_round(self.asked, n_acc, live)

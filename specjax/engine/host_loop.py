@@ -1,6 +1,11 @@
 """The host loop for host drafters (n-gram maps, suffix trees): the drafter proposes on the host
 from Python token lists, one jitted `run_round` verifies and accepts, and the accepted tokens go
-back to the drafter. Verification widths are powers of two up to K, so few programs compile."""
+back to the drafter. Verification widths are powers of two up to K, so few programs compile.
+
+Under adaptive drafting, when the controller asks no sequence for a draft, the rounds up to its
+next exploring round run as plain decoding steps in one device call (`loops.plain_rounds`): a
+host round costs a device call and a wait, several times a decoding step for a small model, so
+backing off round by round would not back off to plain decoding's speed."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import numpy as np
 
 from specjax.drafters.base import Draft
 from specjax.engine import adaptive as adapt
-from specjax.engine.loops import prefill_request
+from specjax.engine.loops import plain_rounds, prefill_request
 from specjax.engine.packed_tree import PackedTree, unpack
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.stats import RoundStats
@@ -50,6 +55,17 @@ def _warm_widths(spec, inp, carry, k, n_max):
     width *= 2
 
 
+def _plain_segment(spec, inp, carry, control, histories):
+  """The rounds up to the controller's next exploring round as plain decoding steps, one device
+  call; the new tokens go onto `histories`. -> (carry, done [B])."""
+  carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))
+  history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
+  control.ran_plain(int(ran) - 1)
+  for i, h in enumerate(histories):
+    h.extend(history[i, len(h): hist_len[i]].tolist())
+  return carry, done
+
+
 def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens, *, capacity, history_len,
               warm_widths=False, adaptive=None, costs=None):
   """-> (carry, host drafting seconds, adaptive record or None)."""
@@ -71,6 +87,10 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   while not done.all():
     t0 = time.perf_counter()
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done)
+    if control is not None and not asked.any():
+      carry, done = _plain_segment(spec, inp, carry, control, histories)
+      drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
+      continue
     d_tok, d_len, _ = drafter.propose(histories, asked)
     draft_seconds += time.perf_counter() - t0
     d_len = np.minimum(np.asarray(d_len, np.int32), np.minimum(n_max, asked))

@@ -1,9 +1,11 @@
 """The jitted drivers around `run_round`: the one prefill, the fixed device loop (every round of
-every sequence in one `lax.while_loop`, no host round trip per round) and a bounded loop at one
-width (the adaptive controller's segments)."""
+every sequence in one `lax.while_loop`, no host round trip per round), a bounded loop at one
+width (the adaptive controller's segments) and a bounded loop of plain decoding steps (the host
+loop's rounds where no sequence drafts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 
 from specjax import parallel
 from specjax.engine.generation import prefill
+from specjax.engine.packed_tree import unpack
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.stats import RoundStats
 
@@ -43,3 +46,11 @@ def rounds_at(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[
     carry, ran = c
     return run_round(spec, inp, carry)[0], ran + 1
   return jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1] < rounds), body, (carry, jnp.int32(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("carry",))
+def plain_rounds(spec: RoundSpec, inp: RoundInputs, carry: Carry, rounds) -> tuple[Carry, jax.Array]:
+  """Up to `rounds` (traced) plain decoding steps as rounds of a host drafter's loop (`spec.drafter`
+  None; the host loop's `inp`, whose weights may be `PackedTree`s); -> (carry, rounds run)."""
+  inp = dataclasses.replace(inp, params=unpack(inp.params), dparams=unpack(inp.dparams))
+  return rounds_at(dataclasses.replace(spec, width=0), inp, rounds, carry)

@@ -39,7 +39,8 @@ class RoundSpec:
   drafter: a `DeviceDrafter` that drafts inside the round, or None when the draft comes from the
     host (host drafters) or there is none (plain decoding).
   width: chain draft tokens verified per round (<= drafter.max_draft); None: the drafter's own K.
-    Width 0 with a commit-free drafter is the plain decoding step (no drafting, no verification).
+    Width 0 with a commit-free drafter, or with no drafter (the host loop's rounds where no
+    sequence drafts), is the plain decoding step (no drafting, no verification).
     Trees: the node budget of the round (a `budgeted` drafter drafts its best `width` nodes; 0: no
     tree, the drafter does only what its commit needs and the round verifies `last` alone).
   """
@@ -59,7 +60,7 @@ class RoundSpec:
 
   @property
   def plain(self) -> bool:
-    return self.width == 0 and self.drafter is not None and self.drafter.commit_free
+    return self.width == 0 and (self.drafter is None or self.drafter.commit_free)
 
   @property
   def taps(self) -> tuple[int, ...]:
@@ -205,8 +206,8 @@ def verify_tree(spec: RoundSpec, inp: RoundInputs, state: GenState, tree: TreeDr
 
 
 def _plain_step(spec: RoundSpec, inp: RoundInputs, state: GenState) -> tuple[GenState, Verdict]:
-  """Width 0 of a commit-free drafter: the plain decoding step, without drafting or the
-  verification machinery, so backing off costs what plain decoding costs."""
+  """Width 0 of a commit-free drafter (or of the host loop): the plain decoding step, without
+  drafting or the verification machinery, so backing off costs what plain decoding costs."""
   live = ~state.done
   state, n_out = decode_step_counted(inp.params, spec.cfg, state, inp.sampling, inp.stop_ids, inp.max_new)
   zeros = jnp.zeros_like(n_out)
