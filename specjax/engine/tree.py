@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Draft
+from specjax.kernels import compact_path as compact_kernel
 from specjax.models.kv_cache import KVCache
 
 
@@ -244,12 +245,6 @@ def compact_path(cache: KVCache, base: jax.Array, src: jax.Array) -> KVCache:
   """Move the accepted path's K/V into consecutive slots: slot base + j <- slot base + src[:, j]
   for j = 0..D (src [B, D+1]: 0 for the root, 1 + node index along the path; entries past the
   accepted length are moved too and stay uncommitted). Lengths are left to the caller."""
-  b = base.shape[0]
-  rows = jnp.arange(b)[:, None]                                                    # [B, 1]
-  from_slots = base[:, None] + src                                                 # [B, D+1]
-  to_slots = base[:, None] + jnp.arange(src.shape[1])[None, :]                     # [B, D+1]
-
-  def move(x):                                                                     # [B, S, KVH, hd]
-    return x.at[rows, to_slots].set(x[rows, from_slots], mode="drop")
-
-  return dataclasses.replace(cache, k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v))
+  n = len(cache.k)
+  moved = compact_kernel.compact(tuple(cache.k) + tuple(cache.v), base, src)      # one launch with the kernel
+  return dataclasses.replace(cache, k=moved[:n], v=moved[n:])
