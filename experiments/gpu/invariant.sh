@@ -9,7 +9,8 @@
 # before it (a prompt's runs are saved one by one, so a cut run keeps what it finished).
 # RESUME_FROM=FILE: continue the result file an earlier call returned (carry it, e.g. as
 # .gpucarry/invariant_equality.json). Compiled programs are kept under $SPECJAX_HOME/jax_cache, so a
-# rerun on a machine still warm starts faster.
+# rerun on a machine still warm starts faster; RETURN_CACHE=1 returns that cache in $OUT in pieces
+# (bootstrap.sh's return_jax_cache: carry them in .gpucarry/jax_cache/ to seed the next machine).
 # The rest as in bootstrap.sh (OUT required).
 # Example:  OUT=/tmp/o bash experiments/gpu/invariant.sh --limit 20
 #           OUT=/tmp/o RESUME_FROM=.gpucarry/invariant_equality.json bash experiments/gpu/invariant.sh --limit 20
@@ -22,4 +23,5 @@ echo "[invariant] on $(device_kind), limit ${LIMIT} s"
 set -o pipefail
 timed_run invariant "$LIMIT" python3 experiments/invariant_equality.py --out "$RESULT" \
   --budget $((LIMIT > 120 ? LIMIT - 60 : LIMIT / 2)) ${RESUME:+--resume} "$@" | tee "$OUT/invariant_equality.log"
+if [ "${RETURN_CACHE:-0}" = 1 ]; then return_jax_cache; fi
 ls -la "$OUT"
