@@ -16,6 +16,11 @@ hold other tokens (`bitwise` per comparison, and the largest difference).
   OUT=/tmp/o bash experiments/gpu/invariant.sh                  # on the GPU machine
   python experiments/invariant_equality.py --out /tmp/r.json --limit 2 --new-tokens 16   # anywhere
 
+--processes N splits the methods over N processes at once (plain and the self-check in the first),
+each with 1/N of the device memory, and merges their files into --out (`--merge FILE...` does that
+alone): a run is mostly compilation, which a process does on one host core, so N processes compile
+N methods at a time. Their tok/s then share the device: equality is what such a run is for.
+
 The JSON (with the git revision, the device and the versions) is rewritten after every prompt, so a
 run cut short keeps what it finished; --resume continues it. --budget stops starting new prompts
 after that many seconds. Compiled programs are kept on disk as by the CLI (SPECJAX_COMPILE_CACHE=0:
@@ -71,6 +76,9 @@ METHODS = {
     "ngram_simple,suffix": ("ngram_simple,suffix", None, NGRAM_DP, {"ngram_simple": {"size_n": 3, "size_m": 16}}),
 }
 DRAFT_MODEL_METHODS = ("draft", "draft_tree")
+# rough seconds a method's first prompt takes on an H200 (compilation and warm-up), for --processes
+FIRST_PROMPT_S = {"draft": 110, "draft_tree": 105, "suffix": 75, "eagle3": 40, "dflash": 38, "eagle3_tree": 45,
+                  "dflash_tree": 40, "mtp": 35, "plain": 30}
 MODES = ("invariant", "default")
 CHECK_LEN = 8                         # continuation tokens compared in the self-check
 
@@ -191,6 +199,78 @@ def write(result: dict, path: Path) -> None:
   os.replace(tmp, path)
 
 
+def split_methods(methods: list[str], n: int) -> list[list[str]]:
+  """`methods` in n groups of about equal first-prompt time, plain in the first (greedy: the
+  slowest method to the lightest group)."""
+  groups: list[list[str]] = [[] for _ in range(min(n, len(methods)))]
+  load = [0.0] * len(groups)
+  rest = sorted((m for m in methods if m != "plain"), key=lambda m: -FIRST_PROMPT_S.get(m, 28))
+  if "plain" in methods:
+    groups[0].append("plain")
+    load[0] += FIRST_PROMPT_S["plain"]
+  for m in rest:
+    i = min(range(len(groups)), key=load.__getitem__)
+    groups[i].append(m)
+    load[i] += FIRST_PROMPT_S.get(m, 28)
+  return [g for g in groups if g]
+
+
+def merge(paths: list[Path], out: Path) -> dict:
+  """The union of several result files' runs (the first file's other fields), summarized."""
+  results = [json.loads(p.read_text()) for p in paths if p.is_file()]
+  if not results:
+    raise SystemExit(f"nothing to merge: none of {[str(p) for p in paths]} exists")
+  merged = results[0]
+  for r in results[1:]:
+    for mode, per_method in r.get("runs", {}).items():
+      for name, rows in per_method.items():
+        merged["runs"].setdefault(mode, {}).setdefault(name, {}).update(rows)
+    for mode, check in r.get("self_check", {}).items():
+      merged.setdefault("self_check", {}).setdefault(mode, check)
+  modes = list(merged["runs"])
+  methods = sorted({n for r in results for n in r["config"]["methods"]}, key=list(METHODS).index)
+  keys = set().union(*(rows for per in merged["runs"].values() for rows in per.values()))
+  merged["config"]["methods"] = methods
+  merged["complete"] = all(r.get("complete") for r in results) and all(
+      k in merged["runs"][m].get(n, {}) for k in keys for m in modes for n in methods)
+  summarize(merged)
+  write(merged, out)
+  return merged
+
+
+def run_processes(args, argv: list[str]) -> None:
+  """The methods over `args.processes` child processes at once, then their files merged into --out."""
+  import subprocess
+  out = Path(args.out)
+  groups = split_methods(args.methods, args.processes)
+  skip = {"--processes", "--methods", "--out"}
+  rest, i = [], 0
+  while i < len(argv):                       # the command line without the flags set per child
+    if argv[i] in skip:
+      i += 1
+      while i < len(argv) and not argv[i].startswith("--"):
+        i += 1
+      continue
+    rest.append(argv[i])
+    i += 1
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.85 / len(groups):.3f}")
+  parts = [out.with_name(f"{out.stem}.part{g}{out.suffix}") for g in range(len(groups))]
+  if args.resume and out.is_file():
+    for part in parts:
+      part.write_text(out.read_text())
+  children = []
+  for g, (methods, part) in enumerate(zip(groups, parts)):
+    cmd = [sys.executable, __file__, *rest, "--out", str(part), "--methods", *methods]
+    if g > 0:
+      cmd.append("--no-self-check")
+    print(f"[invariant] process {g}: {' '.join(methods)}", flush=True)
+    children.append(subprocess.Popen(cmd, env=env))
+  codes = [c.wait() for c in children]
+  merged = merge(parts, out)
+  print(f"[invariant] merged {len(parts)} files (exit codes {codes}): complete {merged['complete']}", flush=True)
+  print(json.dumps({"summary": merged["summary"], "cost": merged["cost"]}, indent=1))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -204,8 +284,18 @@ def main(argv=None):
   ap.add_argument("--budget", type=float, default=None, help="seconds after which no new prompt starts")
   ap.add_argument("--resume", action="store_true", help="continue the run in --out")
   ap.add_argument("--out", required=True)
+  ap.add_argument("--processes", type=int, default=1, help="split the methods over this many processes at once")
+  ap.add_argument("--no-self-check", action="store_true", help="leave the self-check to another process")
+  ap.add_argument("--merge", nargs="+", default=None, metavar="JSON", help="only merge these result files into --out")
   args = ap.parse_args(argv)
   args.methods = sorted(set(args.methods), key=list(METHODS).index)    # plain first: the reference
+  if args.merge:
+    merged = merge([Path(p) for p in args.merge], Path(args.out))
+    print(json.dumps({"summary": merged["summary"], "complete": merged["complete"]}, indent=1))
+    return
+  if args.processes > 1:
+    run_processes(args, list(sys.argv[1:] if argv is None else argv))
+    return
   t_start = time.perf_counter()
   compile_cache.enable()      # as the CLI: a rerun with the same shapes loads its compiled programs
   out = Path(args.out)
@@ -230,7 +320,7 @@ def main(argv=None):
   if "self_check" not in result:
     result["self_check"] = {}
   for mode in args.modes:
-    if mode not in result["self_check"]:
+    if mode not in result["self_check"] and not args.no_self_check:
       t0 = time.perf_counter()
       result["self_check"][mode] = self_check(targets[mode], prompts[0], args.capacity)
       print(f"[self-check] {mode}: all bitwise {result['self_check'][mode]['all_bitwise']} "
