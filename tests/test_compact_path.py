@@ -70,7 +70,7 @@ def test_dispatch_reference_on_cpu_under_auto_kernel_when_forced(monkeypatch):
   assert seen == [{"interpret": True}]
 
 
-@pytest.mark.parametrize("name", ["draft_tree", pytest.param("dflash_tree", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["draft_tree", "dflash_tree"])
 def test_tree_speculation_through_the_kernel_is_lossless(name, tmp_path):
   """Batch 3 greedy, 16 new tokens, a 3-level tree of 8 nodes from the registry's example drafter
   (draft_tree: a perturbed copy of the target, whose trees are often right, so accepted paths

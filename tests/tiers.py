@@ -42,6 +42,7 @@ SLOW: dict[str, str] = {
   "test_builtin_mtp.py::test_speculative_greedy_equals_plain_greedy[redecode]": "CI: [per_step]",
   "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[chain]": "CI: [tree]; test_registry_laws[eagle3]",
   "test_tree.py::test_greedy_tree_speculation_is_lossless[batch1]": "CI: [batch3_ragged]",
+  "test_compact_path.py::test_tree_speculation_through_the_kernel_is_lossless": "an opt-in kernel; CI: kernel = reference on random paths",
   "test_dflash_reference.py::test_a_reference_folder_loads_drafts_as_zlab_and_losslessly": "CI: export then reference load",
   "test_eagle3_reference.py::test_a_reference_folder_loads_and_drafts_losslessly": "CI: export then reference load",
   "test_mtp_reference.py::test_a_reference_folder_loads_and_drafts_losslessly": "CI: export then reference load",
