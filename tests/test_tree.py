@@ -377,3 +377,35 @@ def test_sampled_tree_speculation_preserves_the_token_law(tiny_llama, tree_draft
                           sampling=mixed_sampling(N_SEQ, first_seed=30_000, temperature=COLD_TEMPERATURE))
   check_token_law(decoder_law(params, cfg), v, spec.tokens[N_GREEDY:], plain.tokens[N_GREEDY:],
                   colder.tokens[N_GREEDY:], what="tree speculation")
+
+
+@pytest.mark.parametrize("max_depth", [None, 3, 8])
+def test_tree_shape_is_the_parent_closure(max_depth):
+  """Random trees in topological order (padding past n_nodes, an out-of-order parent treated as the
+  root's child): validity, and the depth and ancestors of every valid node, equal a walk up the
+  parent links in Python; every valid node's ancestors are valid."""
+  rng = np.random.default_rng(3)
+  b, t = 6, 16
+  parents = np.full((b, t), -1, np.int64)
+  for i in range(b):
+    for j in range(1, t):
+      parents[i, j] = rng.integers(-1, j)                           # a parent before the node, or the root
+  parents[0, 5] = 9                                                  # out of order: hangs off the root
+  n_nodes = rng.integers(1, t + 1, b)
+  shape = jax.jit(lambda p, n: tree_shape(p, n, max_depth))(jnp.asarray(parents, jnp.int32),
+                                                              jnp.asarray(n_nodes, jnp.int32))
+  valid, depth, anc = (np.asarray(x) for x in (shape.valid, shape.depth, shape.ancestors))
+  for i in range(b):
+    for j in range(t):
+      chain, u = [j], j
+      while True:
+        par = parents[i, u] if parents[i, u] < u else -1
+        if par < 0:
+          break
+        chain.append(par)
+        u = par
+      want_valid = j < n_nodes[i] and (max_depth is None or len(chain) <= max_depth)
+      assert valid[i, j] == want_valid, (i, j)
+      if want_valid:
+        assert depth[i, j] == len(chain) and set(np.flatnonzero(anc[i, j])) == set(chain), (i, j)
+        assert all(valid[i, k] for k in chain)

@@ -120,18 +120,23 @@ def max_depth_of(drafter) -> int:
 
 
 def tree_shape(parents: jax.Array, n_nodes: jax.Array, max_depth: int | None = None) -> TreeShape:
-  """Ancestor matrix (transitive closure of the parent relation by log2(T) boolean squarings)
-  and depths of a batch of trees. Padding nodes and nodes deeper than max_depth are invalid."""
+  """Ancestors and depths of a batch of trees, by following parent links: hop k gives every node its
+  k-th ancestor (a [B, T] gather; the hops fuse into a few kernels, where squaring the ancestor
+  matrix took a product and a fusion per doubling). Padding nodes and nodes deeper than max_depth
+  are invalid; the chase stops after max_depth hops, so such a node's depth reads max_depth + 1 and
+  its ancestors beyond that are left out (an invalid node is never verified or attended to)."""
   b, t = parents.shape
   idx = jnp.arange(t, dtype=jnp.int32)
   in_budget = idx[None, :] < n_nodes[:, None]                                      # [B, T]
   par = jnp.where(in_budget & (parents < idx[None, :]), parents, -1)              # [B, T] sanitized
-  anc = (par[:, :, None] == idx[None, None, :]) | (idx[:, None] == idx[None, :])[None]   # [B, T, T] self or parent
-  reach = 1
-  while reach < t:                                                                 # paths of length <= 2 * reach
-    anc = anc | (jnp.einsum("bij,bjk->bik", anc.astype(jnp.float32), anc.astype(jnp.float32)) > 0)
-    reach *= 2
-  depth = jnp.sum(anc, axis=-1, dtype=jnp.int32)                                   # [B, T] ancestors incl. self
+  hops = t - 1 if max_depth is None else min(max_depth, t - 1)
+  up = jnp.broadcast_to(idx[None, :], (b, t))                                      # [B, T] ancestor k hops up
+  anc = jnp.broadcast_to(idx[:, None] == idx[None, :], (b, t, t))                  # [B, T, T] self
+  depth = jnp.ones((b, t), jnp.int32)
+  for _ in range(hops):
+    up = jnp.where(up >= 0, jnp.take_along_axis(par, jnp.maximum(up, 0), axis=1), -1)
+    anc = anc | (up[:, :, None] == idx[None, None, :])
+    depth = depth + (up >= 0)
   valid = in_budget if max_depth is None else in_budget & (depth <= max_depth)
   return TreeShape(parents=par, valid=valid, ancestors=anc, depth=depth)
 
