@@ -329,3 +329,21 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   rounds = max(res.stats.per_seq_rounds)
   assert res.stats.gen_tokens == 0 and res.stats.adaptive["segments"] == [[0, rounds]], res.stats.adaptive
   assert calls == {"host_step": 0, "plain_rounds": -(-rounds // 10)}, (calls, rounds)
+
+
+def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
+  """A benchmark's warm-up (2 tokens, inside the first exploring rounds, so it never backs off)
+  compiles the host loop's plain segment too: the timed run, which backs off to plain rounds
+  (drafting at 50x the cost), compiles nothing, and its output equals plain decoding's."""
+  from specjax.engine.loops import plain_rounds
+  cfg, params = tiny_llama
+  ac = adapt.AdaptiveConfig(widths=(0, 2), costs=(1.0, 50.0), segment_rounds=2, explore_rounds=4)
+  kw = dict(capacity=128, adaptive=ac)
+  warm = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2,
+                              warm_widths=True, **kw)
+  assert {w for w, _ in warm.stats.adaptive["segments"]} == {2}, warm.stats.adaptive
+  compiled = plain_rounds._cache_size()
+  res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW, **kw)
+  assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  assert any(w == 0 for w, _ in res.stats.adaptive["segments"]), res.stats.adaptive
+  assert plain_rounds._cache_size() == compiled

@@ -79,6 +79,8 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   inp = dataclasses.replace(inp, params=PackedTree.pack(inp.params), dparams=PackedTree.pack(inp.dparams))
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
+    if control is not None:   # a later run may back off to plain rounds where the warm-up's few tokens did not
+      plain_rounds(spec, inp, jax.tree_util.tree_map(jnp.copy, carry), jnp.int32(0))
   first = np.asarray(carry.state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
   done = np.asarray(carry.state.done)
