@@ -308,6 +308,10 @@ def main(argv=None):
   stop = tuple(base.tokenizer.eos_ids)
 
   result = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+  earlier = set(result.get("earlier_revisions", [])) | ({result["revision"]} if "revision" in result else set())
+  earlier.discard(git_revision())
+  if earlier:     # a resumed run keeps the revisions its earlier prompts ran at
+    result["earlier_revisions"] = sorted(earlier)
   result.update({"experiment": "invariant_equality", "revision": git_revision(), "device": device_info(),
                  "versions": versions(), "config": vars(args), "methods": {k: None if v is None else
                  {"speculator": v[0], "head": None if v[1] is None else str(v[1].relative_to(ROOT)),
