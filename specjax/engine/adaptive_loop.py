@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine import adaptive as adapt
+from specjax.engine import plain_chunks
 from specjax.engine.adaptive_replay import ReplayState, replay_segment
 from specjax.engine.adaptive_tree import BudgetTally, choose_budget, rounds_tallied
 from specjax.engine.loops import device_loop, rounds_at
@@ -105,7 +106,10 @@ def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi
   budgets, ran = (ctl.budgets.decayed(ac.decay) if specs[0].proposes_tree else ctl.budgets), jnp.int32(0)
   for i, spec_w in enumerate(specs):
     n_i = jnp.where(wi == i, rounds, 0)
-    if spec_w.proposes_tree:
+    if plain_chunks.supports(spec_w):      # budget 0: plain decoding steps, the drafter caught up per chunk
+      carry, live_rounds, n = plain_chunks.plain_chunks(spec_w, inp, n_i, carry)
+      budgets = budgets.observe_plain(live_rounds)
+    elif spec_w.proposes_tree:
       carry, budgets, n = rounds_tallied(spec_w, inp, n_i, carry, budgets, widths)
     else:
       carry, n = rounds_at(spec_w, inp, n_i, carry)

@@ -74,6 +74,12 @@ class BudgetTally:
     return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
                        rounds=self.rounds + shown.astype(jnp.float32))
 
+  def observe_plain(self, live_rounds) -> "BudgetTally":
+    """Rounds at budget 0 (widths[0]; they verify `last` alone): live_rounds [B] per sequence, each
+    showing budget 0 one token."""
+    shown = jnp.zeros_like(self.rounds).at[0].set(live_rounds.astype(jnp.float32))   # [W, B]
+    return BudgetTally(tokens=self.tokens + shown, rounds=self.rounds + shown)
+
   def decayed(self, decay: float) -> "BudgetTally":
     return BudgetTally(tokens=decay * self.tokens, rounds=decay * self.rounds)
 

@@ -122,7 +122,8 @@ def draft_budget(spec: RoundSpec, inp: RoundInputs, state: GenState) -> jax.Arra
   return jnp.where(state.done, 0, n_max)
 
 
-def _context(spec: RoundSpec, inp: RoundInputs, state: GenState) -> DraftContext:
+def draft_context(spec: RoundSpec, inp: RoundInputs, state: GenState) -> DraftContext:
+  """What the device drafter sees of the round's state."""
   return DraftContext(last=state.last, history=state.history, hist_len=state.hist_len,
                       target_len=state.cache.lengths, n_max=draft_budget(spec, inp, state), p_min=inp.dp["p_min"],
                       temperature=inp.sampling.temperature)
@@ -232,7 +233,7 @@ def _round_result(spec: RoundSpec, v: Verdict) -> RoundResult:
 def _propose(spec: RoundSpec, inp: RoundInputs, dstate, state: GenState):
   """The device drafter's draft for the round: a chain cut to the round's width, or a tree at the
   round's node budget (an empty chain at budget 0)."""
-  ctx = _context(spec, inp, state)
+  ctx = draft_context(spec, inp, state)
   if not spec.proposes_tree:
     draft, dstate = spec.drafter.propose(inp.dparams, dstate, ctx)
     return _narrow(draft, spec.width), dstate

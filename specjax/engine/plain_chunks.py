@@ -1,0 +1,90 @@
+"""A tree drafter's budget-0 rounds as plain decoding steps, the drafter caught up once per chunk.
+
+At node budget 0 a tree round verifies `last` alone: one token a round, as plain decoding, but
+through the round's machinery (the drafter's budget-0 propose, verification of an empty tree, the
+path move, the drafter's commit), which at batch 8 costs about 1.2 plain steps. `plain_chunks`
+runs such a stretch as plain decoding steps that also keep the target's taps (the hidden states a
+drafter conditions on) and catches the drafter up once per chunk of up to D+1 steps (D: the
+drafter's tree depth), as one round whose draft was the chunk's tokens, all accepted:
+`propose_budget(.., 0)` before the chunk (what a budget-0 round does before verification), and
+`commit` after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as the verified path,
+m - 1 of them accepted and x_m (the new `last`) the bonus token. A round of D+1 verified tokens is
+what every budgeted drafter's commit takes, so the drafter ends where m budget-0 rounds would
+leave it: EAGLE-3 writes the entries (g_j, x_{j+1}) one round would have written each, DFlash
+appends the same features to its window, the draft model's next propose catches up the m tokens
+(its catch-up window is D+1).
+
+The target's side is plain decoding's step (same forward, sampler keys and emission), so greedy
+output is plain decoding's; sampled output is distributed as the target's, as in any round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import RoundResult
+from specjax.engine.generation import emit, target_of
+from specjax.engine.round import Carry, RoundInputs, RoundSpec, draft_context
+from specjax.engine.sampling import next_token, split_keys
+from specjax.engine.tree import max_depth_of
+
+
+def supports(spec: RoundSpec) -> bool:
+  """Budget-0 rounds of this spec may run as plain chunks: a budgeted tree drafter at width 0."""
+  return spec.proposes_tree and spec.width == 0 and spec.drafter.budgeted
+
+
+def _forward_with_taps(spec: RoundSpec, inp: RoundInputs, state):
+  """One plain decoding step's forward of `last`, keeping the drafter's taps."""
+  live = (~state.done).astype(jnp.int32)
+  return target_of(spec.cfg).forward(inp.params, spec.cfg, state.last[:, None], state.cache, n_new=live,
+                                     taps=spec.taps)
+
+
+def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[Carry, jax.Array, jax.Array]:
+  """Up to `rounds` (traced) budget-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
+  chunks of up to D+1, the drafter caught up after each. -> (carry, rounds each sequence was live
+  in [B], rounds run [])."""
+  drafter = spec.drafter
+  chunk = max_depth_of(drafter) + 1
+  b = carry.state.last.shape[0]
+  _, taps_shape, _ = jax.eval_shape(lambda s: _forward_with_taps(spec, inp, s), carry.state)
+
+  def zeros_like_taps(s):                                                        # [B, 1, d] -> [B, chunk, d]
+    return jnp.zeros((b, chunk) + s.shape[2:], s.dtype)
+
+  def chunk_body(c):
+    carry, live_rounds, ran = c
+    n = jnp.minimum(rounds - ran, chunk)
+    _, dstate = drafter.propose_budget(inp.dparams, carry.dstate, draft_context(spec, inp, carry.state), 0)
+    bufs = dict(tokens=jnp.zeros((b, chunk), jnp.int32), prenorm=zeros_like_taps(taps_shape["prenorm"]),
+                layers=tuple(zeros_like_taps(s) for s in taps_shape["layers"]))
+
+    def step(s):
+      state, stats, bufs, steps, i = s
+      live = ~state.done
+      logits, tapped, cache = _forward_with_taps(spec, inp, state)
+      keys, use = split_keys(state.keys)
+      token = next_token(logits[:, 0], inp.sampling, use)                           # [B]
+      put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i, axis=1)
+      bufs = dict(tokens=put(bufs["tokens"], state.last[:, None]), prenorm=put(bufs["prenorm"], tapped["prenorm"]),
+                  layers=tuple(put(x, h) for x, h in zip(bufs["layers"], tapped["layers"])))
+      state, n_out = emit(dataclasses.replace(state, cache=cache, keys=keys), token[:, None], live.astype(jnp.int32),
+                          inp.stop_ids, inp.max_new)
+      zeros = jnp.zeros_like(n_out)
+      stats = stats.update(zeros, zeros, live, n_out, n_verified=zeros)
+      return state, stats, bufs, steps + live.astype(jnp.int32), i + 1
+
+    state, stats, bufs, steps, i = jax.lax.while_loop(
+        lambda s: (s[4] < n) & ~jnp.all(s[0].done), step,
+        (carry.state, carry.stats, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+    result = RoundResult(n_accepted=jnp.maximum(steps - 1, 0), next_token=state.last, verified=bufs["tokens"],
+                         prenorm=bufs["prenorm"], layer_taps=bufs["layers"], live=steps > 0)
+    dstate = drafter.commit(inp.dparams, dstate, result)
+    return Carry(state=state, dstate=dstate, stats=stats), live_rounds + steps, ran + i
+
+  return jax.lax.while_loop(lambda c: (c[2] < rounds) & ~jnp.all(c[0].state.done), chunk_body,
+                            (carry, jnp.zeros((b,), jnp.int32), jnp.int32(0)))

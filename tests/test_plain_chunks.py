@@ -1,0 +1,80 @@
+"""Budget-0 rounds as plain chunks (specjax.engine.plain_chunks): m plain decoding steps, the drafter
+caught up once per chunk of D+1, leave the target and the drafter where m budget-0 rounds leave
+them, for every budgeted tree drafter: the same tokens and target cache, and the same next tree at
+the full node budget (a drafter that missed an entry, or conditioned on the wrong features, drafts
+another tree from a random head)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_LLAMA, random_params
+from specjax.drafters import speculator_spec
+from specjax.drafters.base import DraftParams
+from specjax.engine.generation import pad_prompts
+from specjax.engine.loops import prefill_request, rounds_at
+from specjax.engine.plain_chunks import plain_chunks, supports
+from specjax.engine.round import RoundInputs, RoundSpec, draft_context
+from specjax.engine.sampling import SamplingParams
+from specjax.engine.tree import max_depth_of
+from specjax.models.load import LoadedModel
+
+PROMPTS = [[1, 5, 9, 3, 5, 9, 3, 5], [2, 4, 6, 2, 4], [7, 7, 7, 7, 1, 2, 7, 7, 7]]
+NODES = 8
+
+
+@pytest.fixture(scope="module")
+def target():
+  return LoadedModel(name="tiny", cfg=TINY_LLAMA, params=random_params(TINY_LLAMA, seed=0))
+
+
+@pytest.mark.parametrize("name", ["eagle3_tree", "dflash_tree", "draft_tree"])
+def test_plain_chunks_leave_the_state_of_budget_zero_rounds(name, target, tmp_path):
+  spec = speculator_spec.get(name)
+  d = spec.build(target, draft_params=DraftParams(n_max=NODES),
+                 **{**spec.example(target, tmp_path), "depth": 3, "top_k": 2, "n_nodes": NODES})
+  b = len(PROMPTS)
+  toks, lens = pad_prompts(PROMPTS)
+  dp = {k: jnp.asarray(a) for k, a in DraftParams(n_max=NODES).arrays(b, None).items()}
+  leaves, tree = jax.tree_util.tree_flatten(d.params())
+  rng = np.random.default_rng(1)      # the examples' heads may zero what reads the context: noise on every weight
+  noisy = [x + jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+           else x for x in leaves]
+  inp = RoundInputs(params=target.params, dparams=jax.tree_util.tree_unflatten(tree, noisy), sampling=SamplingParams.make(b), dp=dp,
+                    stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
+  full = RoundSpec(cfg=target.cfg, drafter=d)
+  zero = RoundSpec(cfg=target.cfg, drafter=d, width=0)
+  assert supports(zero) and not supports(full)
+  m = 2 * (max_depth_of(d) + 1) + 1                                     # two whole chunks and one step
+  carry = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64, history_len=64)
+  by_rounds, ran_rounds = jax.jit(functools.partial(rounds_at, zero))(inp, m, carry)
+  carry = carry_after_prefill = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64,
+                                                 history_len=64)
+  by_chunks, live, ran_chunks = jax.jit(functools.partial(plain_chunks, zero))(inp, m, carry)
+
+  assert int(ran_rounds) == int(ran_chunks) == m and np.asarray(live).tolist() == [m] * b
+  a, c = by_rounds.state, by_chunks.state
+  assert np.array_equal(a.history, c.history) and np.array_equal(a.last, c.last)
+  assert np.array_equal(a.cache.lengths, c.cache.lengths) and np.array_equal(a.n_out, c.n_out)
+  for x, y in zip(jax.tree_util.tree_leaves(by_rounds.stats), jax.tree_util.tree_leaves(by_chunks.stats)):
+    assert np.array_equal(x, y)                                           # rounds, tokens, acceptance counters
+
+  propose = jax.jit(lambda cr: d.propose(inp.dparams, cr.dstate, draft_context(full, inp, cr.state))[0])
+  want, got = propose(by_rounds), propose(by_chunks)
+  for field in ("tokens", "parents", "n_nodes"):
+    assert np.array_equal(getattr(want, field), getattr(got, field)), field
+  assert np.asarray(got.n_nodes).min() > 0
+  if name == "dflash_tree":   # a random DFlash head's tree barely moves with the context: compare its marginals
+    logits = jax.jit(lambda cr: d.logits(inp.dparams, cr.dstate, cr.state.last, cr.state.cache.lengths,
+                                         n_positions=3))
+    want_l, got_l = np.asarray(logits(by_rounds)), np.asarray(logits(by_chunks))
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-4, atol=1e-4)
+    other = np.asarray(logits(carry_after_prefill))
+    assert np.abs(other - want_l).max() > 1e-2            # the marginals do follow the window
+  else:
+    assert len(np.unique(np.asarray(got.tokens))) > 2, got.tokens
