@@ -228,7 +228,8 @@ def merge(paths: list[Path], out: Path) -> dict:
     for mode, check in r.get("self_check", {}).items():
       merged.setdefault("self_check", {}).setdefault(mode, check)
   modes = list(merged["runs"])
-  methods = sorted({n for r in results for n in r["config"]["methods"]}, key=list(METHODS).index)
+  methods = sorted({n for r in results for n in r["config"]["methods"]}       # with a resumed file's methods
+                   | {n for per in merged["runs"].values() for n in per}, key=list(METHODS).index)
   keys = set().union(*(rows for per in merged["runs"].values() for rows in per.values()))
   merged["config"]["methods"] = methods
   merged["complete"] = all(r.get("complete") for r in results) and all(
