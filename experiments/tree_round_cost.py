@@ -1,7 +1,7 @@
 """What a round of each method of a `specjax bench` result costs, and a tree round against a chain round.
 
 Reads one or more bench JSONs (e.g. `configs/bench_tree_vs_chain_smollm2_b1.yaml` run with and
-with and without the path-move kernel, SPECJAX_COMPACT_PATH=xla) and prints, per file and method: prompts, tau, tok/s, ms per
+without the path-move kernel, SPECJAX_COMPACT_PATH=xla) and prints, per file and method: prompts, tau, tok/s, ms per
 round (the batches' seconds over their rounds, a batch running as many rounds as its longest row,
 prefill included) and the least-squares slope of a batch's seconds against its rounds (ms per
 extra round, the prefill and other per-batch costs in the intercept); plain decoding's rounds are
