@@ -90,7 +90,17 @@ SLOW: dict[str, str] = {
   "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[tree]": "CI: test_registry_laws[eagle3_tree]; the engine's acceptance = the training-time test",
   "test_ngram.py::test_greedy_lossless_through_engine": "CI: test_registry_laws (every n-gram speculator's greedy output and sampled law)",
   "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_budget_zero_rounds[draft_tree]": "CI: [eagle3_tree], [dflash_tree] (draft_tree's commit is a no-op; its propose catches up)",
+  "test_engine.py::test_sampled_speculation_preserves_the_token_law[temp1]": "CI: [temp1_topk5_topp0.9] (the same drafter and law check, filtered), test_registry_laws[draft]",
 }
+
+# The opt-in fused decode layers (slower than XLA where measured): each architecture once in the CI tier,
+# float32 / bfloat16 and decode / 5-token verification each on some architecture.
+_FUSED_CI = {"llama-bfloat16-decode", "llama-float32-verify5", "qwen2-bias-bfloat16-verify5",
+             "qwen3-qknorm-float32-decode", "llama-obias-mha-bfloat16-decode", "mistral-sliding-float32-verify5"}
+SLOW.update({f"test_fused_decode.py::test_fused_block_equals_xla_block[{a}-{d}-{m}]":
+             "CI: the same architecture in another dtype / step shape (_FUSED_CI)"
+             for a in ("llama", "qwen2-bias", "qwen3-qknorm", "llama-obias-mha", "mistral-sliding")
+             for d in ("float32", "bfloat16") for m in ("decode", "verify5") if f"{a}-{d}-{m}" not in _FUSED_CI})
 
 
 def slow_reason(nodeid: str) -> str | None:

@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import parallel
 from specjax.drafters.base import RoundResult
 from specjax.engine.generation import emit, target_of
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, draft_context
@@ -59,7 +60,9 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
   def chunk_body(c):
     carry, live_rounds, ran = c
     n = jnp.minimum(rounds - ran, chunk)
-    _, dstate = drafter.propose_budget(inp.dparams, carry.dstate, draft_context(spec, inp, carry.state), 0)
+    state = parallel.constrain_state(carry.state)            # under a mesh the loop state keeps its layout
+    dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
+    _, dstate = drafter.propose_budget(inp.dparams, dstate, draft_context(spec, inp, state), 0)
     bufs = dict(tokens=jnp.zeros((b, chunk), jnp.int32), prenorm=zeros_like_taps(taps_shape["prenorm"]),
                 layers=tuple(zeros_like_taps(s) for s in taps_shape["layers"]))
 
@@ -80,7 +83,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
 
     state, stats, bufs, steps, i = jax.lax.while_loop(
         lambda s: (s[4] < n) & ~jnp.all(s[0].done), step,
-        (carry.state, carry.stats, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+        (state, carry.stats, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
     result = RoundResult(n_accepted=jnp.maximum(steps - 1, 0), next_token=state.last, verified=bufs["tokens"],
                          prenorm=bufs["prenorm"], layer_taps=bufs["layers"], live=steps > 0)
     dstate = drafter.commit(inp.dparams, dstate, result)
