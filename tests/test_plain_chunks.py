@@ -1,8 +1,8 @@
-"""Budget-0 rounds as plain chunks (specjax.engine.plain_chunks): m plain decoding steps, the drafter
-caught up once per chunk of D+1, leave the target and the drafter where m budget-0 rounds leave
-them, for every budgeted tree drafter: the same tokens and target cache, and the same next tree at
-the full node budget (a drafter that missed an entry, or conditioned on the wrong features, drafts
-another tree from a random head)."""
+"""Adaptive width-0 rounds as plain chunks (specjax.engine.plain_chunks): m plain decoding steps, the
+drafter caught up once per chunk of W+1, leave the target and the drafter where m width-0 rounds
+leave them, for every drafter whose commit takes them (trees at budget 0, chains at width 0): the
+same tokens, target cache and statistics, and the same next draft at the full width (a drafter that
+missed an entry, or conditioned on the wrong features, drafts another tree or chain)."""
 
 from __future__ import annotations
 
@@ -33,24 +33,25 @@ def target():
   return LoadedModel(name="tiny", cfg=TINY_LLAMA, params=random_params(TINY_LLAMA, seed=0))
 
 
-@pytest.mark.parametrize("name", ["eagle3_tree", "dflash_tree", "draft_tree"])
-def test_plain_chunks_leave_the_state_of_budget_zero_rounds(name, target, tmp_path):
+@pytest.mark.parametrize("name", ["eagle3_tree", "dflash_tree", "draft_tree", "eagle3", "dflash", "mtp"])
+def test_plain_chunks_leave_the_state_of_width_zero_rounds(name, target, tmp_path):
   spec = speculator_spec.get(name)
-  d = spec.build(target, draft_params=DraftParams(n_max=NODES),
-                 **{**spec.example(target, tmp_path), "depth": 3, "top_k": 2, "n_nodes": NODES})
+  tree = name.endswith("_tree")
+  d = spec.build(target, draft_params=DraftParams(n_max=NODES if tree else 3),
+                 **{**spec.example(target, tmp_path), **(dict(depth=3, top_k=2, n_nodes=NODES) if tree else {})})
   b = len(PROMPTS)
   toks, lens = pad_prompts(PROMPTS)
   dp = {k: jnp.asarray(a) for k, a in DraftParams(n_max=NODES).arrays(b, None).items()}
-  leaves, tree = jax.tree_util.tree_flatten(d.params())
+  leaves, treedef = jax.tree_util.tree_flatten(d.params())
   rng = np.random.default_rng(1)      # the examples' heads may zero what reads the context: noise on every weight
   noisy = [x + jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
            else x for x in leaves]
-  inp = RoundInputs(params=target.params, dparams=jax.tree_util.tree_unflatten(tree, noisy), sampling=SamplingParams.make(b), dp=dp,
+  inp = RoundInputs(params=target.params, dparams=jax.tree_util.tree_unflatten(treedef, noisy), sampling=SamplingParams.make(b), dp=dp,
                     stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
   full = RoundSpec(cfg=target.cfg, drafter=d)
   zero = RoundSpec(cfg=target.cfg, drafter=d, width=0)
   assert supports(zero) and not supports(full)
-  m = 2 * (max_depth_of(d) + 1) + 1                                     # two whole chunks and one step
+  m = 2 * ((max_depth_of(d) if tree else d.max_draft) + 1) + 1        # two whole chunks and one step
   carry = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64, history_len=64)
   by_rounds, ran_rounds = jax.jit(functools.partial(rounds_at, zero))(inp, m, carry)
   carry = carry_after_prefill = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64,
@@ -66,10 +67,10 @@ def test_plain_chunks_leave_the_state_of_budget_zero_rounds(name, target, tmp_pa
 
   propose = jax.jit(lambda cr: d.propose(inp.dparams, cr.dstate, draft_context(full, inp, cr.state))[0])
   want, got = propose(by_rounds), propose(by_chunks)
-  for field in ("tokens", "parents", "n_nodes"):
+  for field in ("tokens", "parents", "n_nodes") if tree else ("tokens", "lengths"):
     assert np.array_equal(getattr(want, field), getattr(got, field)), field
-  assert np.asarray(got.n_nodes).min() > 0
-  if name == "dflash_tree":   # a random DFlash head's tree barely moves with the context: compare its marginals
+  assert np.asarray(got.n_nodes if tree else got.lengths).min() > 0
+  if name.startswith("dflash"):   # a random DFlash head's tree barely moves with the context: compare its marginals
     logits = jax.jit(lambda cr: d.logits(inp.dparams, cr.dstate, cr.state.last, cr.state.cache.lengths,
                                          n_positions=3))
     want_l, got_l = np.asarray(logits(by_rounds)), np.asarray(logits(by_chunks))

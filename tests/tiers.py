@@ -89,7 +89,9 @@ SLOW: dict[str, str] = {
   "test_accept_sample.py::test_engine_sampling_identical_through_kernel": "CI: the kernel = the reference on random rounds (test_accept_sample)",
   "test_eagle3.py::test_speculation_is_lossless_batch_3_and_sampled[tree]": "CI: test_registry_laws[eagle3_tree]; the engine's acceptance = the training-time test",
   "test_ngram.py::test_greedy_lossless_through_engine": "CI: test_registry_laws (every n-gram speculator's greedy output and sampled law)",
-  "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_budget_zero_rounds[draft_tree]": "CI: [eagle3_tree], [dflash_tree] (draft_tree's commit is a no-op; its propose catches up)",
+  "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[draft_tree]": "CI: the other drafters (draft_tree's commit is a no-op; its propose catches up)",
+  "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[eagle3]": "CI: [eagle3_tree] (the same commit)",
+  "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[dflash]": "CI: [dflash_tree] (the same commit)",
   "test_engine.py::test_sampled_speculation_preserves_the_token_law[temp1]": "CI: [temp1_topk5_topp0.9] (the same drafter and law check, filtered), test_registry_laws[draft]",
 }
 

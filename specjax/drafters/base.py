@@ -68,6 +68,9 @@ class Drafter:
     replay what each width would have accepted.
   budgeted: a tree drafter whose `propose_budget(.., n_nodes)` drafts its best n_nodes nodes (the
     nodes of rank < n_nodes of its full tree), so adaptive drafting can choose the node budget.
+  chunk_commit: `commit` writes its state from the verified tokens and the target's taps only, never
+    from its own drafts, so a stretch of plain decoding steps can be committed as one round whose
+    draft was those tokens, all accepted (`specjax.engine.plain_chunks`: adaptive width 0).
   cross_request_memory: state outlives a request by design (a shared table, a global suffix tree);
     the bench harness snapshots it so repeats measure the same drafter.
   """
@@ -77,6 +80,7 @@ class Drafter:
   commit_free: ClassVar[bool] = False
   replayable: ClassVar[bool] = False
   budgeted: ClassVar[bool] = False
+  chunk_commit: ClassVar[bool] = False
   cross_request_memory: ClassVar[bool] = False
   max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget `n_nodes`)
 

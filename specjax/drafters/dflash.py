@@ -212,6 +212,7 @@ class DFlashState:
 class DFlashDrafter(DeviceDrafter):
   """Device drafter over a DFlash model. `weights` = {"dflash": drafter params, "target": the
   target's params}; hashable by static config only."""
+  chunk_commit = True            # commit appends the verified positions' features (adaptive width 0: plain chunks)
   cfg: ModelConfig                # the target's config
   dc: DFlashConfig
   max_draft: int = 15             # drafts used per pass (<= block_size - 1)

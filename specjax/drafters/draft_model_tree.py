@@ -54,6 +54,7 @@ def level_sizes(top_k: int, width: int, depth: int) -> tuple[int, ...]:
 class DraftModelTreeDrafter(DeviceDrafter):
   """Device tree drafter backed by a smaller model. Hashable by its static configuration. A
   sequence's n_max caps the depth verified (`verify_tree`)."""
+  chunk_commit: ClassVar[bool] = True   # commit is a no-op; propose catches up from the history (window D+1)
   cfg: ModelConfig
   depth: int = 3
   top_k: int = 2

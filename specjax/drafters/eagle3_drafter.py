@@ -64,6 +64,7 @@ def _weights(dparams):
 class Eagle3Drafter(DeviceDrafter):
   """Chain drafter over an EAGLE-3 head. `weights` = {"head": head params, "d2t": [Vd] int32,
   "target": the target's params (embedding)}; hashable by static config only."""
+  chunk_commit = True            # commit reads the verified tokens and taps (adaptive width 0: plain chunks)
   hc: Eagle3Config
   max_draft: int = 4
   weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)

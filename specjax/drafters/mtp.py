@@ -179,6 +179,7 @@ class MTPState:
 class MTPDrafter(DeviceDrafter):
   """Device drafter over MTP heads. `weights` = {"heads": tuple of head params, "target": the
   target's params (embedding, final norm, LM head are shared)}; hashable by static config only."""
+  chunk_commit = True            # commit reads the verified tokens and hidden states (adaptive width 0: plain chunks)
   cfg: ModelConfig                # the target's config
   n_heads: int = 1
   max_draft: int = 4

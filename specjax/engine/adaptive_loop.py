@@ -106,9 +106,10 @@ def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi
   budgets, ran = (ctl.budgets.decayed(ac.decay) if specs[0].proposes_tree else ctl.budgets), jnp.int32(0)
   for i, spec_w in enumerate(specs):
     n_i = jnp.where(wi == i, rounds, 0)
-    if plain_chunks.supports(spec_w):      # budget 0: plain decoding steps, the drafter caught up per chunk
+    if plain_chunks.supports(spec_w):      # width 0: plain decoding steps, the drafter caught up per chunk
       carry, live_rounds, n = plain_chunks.plain_chunks(spec_w, inp, n_i, carry)
-      budgets = budgets.observe_plain(live_rounds)
+      if spec_w.proposes_tree:
+        budgets = budgets.observe_plain(live_rounds)
     elif spec_w.proposes_tree:
       carry, budgets, n = rounds_tallied(spec_w, inp, n_i, carry, budgets, widths)
     else:

@@ -1,18 +1,19 @@
-"""A tree drafter's budget-0 rounds as plain decoding steps, the drafter caught up once per chunk.
+"""Adaptive width-0 rounds as plain decoding steps, the drafter caught up once per chunk.
 
-At node budget 0 a tree round verifies `last` alone: one token a round, as plain decoding, but
-through the round's machinery (the drafter's budget-0 propose, verification of an empty tree, the
-path move, the drafter's commit), which at batch 8 costs about 1.2 plain steps. `plain_chunks`
-runs such a stretch as plain decoding steps that also keep the target's taps (the hidden states a
-drafter conditions on) and catches the drafter up once per chunk of up to D+1 steps (D: the
-drafter's tree depth), as one round whose draft was the chunk's tokens, all accepted:
-`propose_budget(.., 0)` before the chunk (what a budget-0 round does before verification), and
-`commit` after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as the verified path,
-m - 1 of them accepted and x_m (the new `last`) the bonus token. A round of D+1 verified tokens is
-what every budgeted drafter's commit takes, so the drafter ends where m budget-0 rounds would
-leave it: EAGLE-3 writes the entries (g_j, x_{j+1}) one round would have written each, DFlash
-appends the same features to its window, the draft model's next propose catches up the m tokens
-(its catch-up window is D+1).
+At width 0 (a chain of no drafts, a tree of no nodes) a round verifies `last` alone: one token a
+round, as plain decoding, but through the round's machinery: the drafter's propose (a chain
+drafter drafts its whole chain, then the round drops it), verification, for trees the path move,
+the drafter's commit. At batch 8 a budget-0 tree round cost about 1.2 plain steps. `plain_chunks`
+runs such a stretch as plain decoding steps that keep the target's taps (the hidden states a
+drafter conditions on) and catches the drafter up once per chunk of up to W+1 steps (W: the
+drafter's round width, a tree's depth or a chain's K) as one round whose draft was the chunk's
+tokens, all accepted: the drafter proposes before the chunk (a tree at budget 0; a chain in full,
+its draft unused), and commits after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as
+the verified tokens, m - 1 of them accepted and x_m (the new `last`) the bonus token. That is a
+round the drafter's commit takes (W+1 verified tokens), and for drafters whose commit reads the
+verified tokens and taps only (`chunk_commit`) it leaves the drafter where m width-0 rounds would:
+EAGLE-3 and MTP write the entries (g_j, x_{j+1}) each round would have written, DFlash appends the
+same features, the tree draft model's next propose catches up the m tokens (its window is D+1).
 
 The target's side is plain decoding's step (same forward, sampler keys and emission), so greedy
 output is plain decoding's; sampled output is distributed as the target's, as in any round.
@@ -34,8 +35,17 @@ from specjax.engine.tree import max_depth_of
 
 
 def supports(spec: RoundSpec) -> bool:
-  """Budget-0 rounds of this spec may run as plain chunks: a budgeted tree drafter at width 0."""
-  return spec.proposes_tree and spec.width == 0 and spec.drafter.budgeted
+  """Width-0 rounds of this spec may run as plain chunks: a device drafter whose commit takes them
+  (`chunk_commit`; trees: `budgeted`, whose budget-0 propose drafts nothing). Commit-free drafters'
+  width-0 rounds are plain steps already (`RoundSpec.plain`)."""
+  d = spec.drafter
+  return (spec.width == 0 and d is not None and d.on_device and d.chunk_commit and not d.commit_free
+          and (d.budgeted or not d.proposes_tree))
+
+
+def _chunk(drafter) -> int:
+  """Steps per chunk: the verified width of the drafter's rounds (a tree's depth + 1, a chain's K + 1)."""
+  return (max_depth_of(drafter) if drafter.proposes_tree else drafter.max_draft) + 1
 
 
 def _forward_with_taps(spec: RoundSpec, inp: RoundInputs, state):
@@ -46,11 +56,11 @@ def _forward_with_taps(spec: RoundSpec, inp: RoundInputs, state):
 
 
 def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[Carry, jax.Array, jax.Array]:
-  """Up to `rounds` (traced) budget-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
-  chunks of up to D+1, the drafter caught up after each. -> (carry, rounds each sequence was live
+  """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
+  chunks of up to W+1, the drafter caught up after each. -> (carry, rounds each sequence was live
   in [B], rounds run [])."""
   drafter = spec.drafter
-  chunk = max_depth_of(drafter) + 1
+  chunk = _chunk(drafter)
   b = carry.state.last.shape[0]
   _, taps_shape, _ = jax.eval_shape(lambda s: _forward_with_taps(spec, inp, s), carry.state)
 
@@ -62,7 +72,11 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
     n = jnp.minimum(rounds - ran, chunk)
     state = parallel.constrain_state(carry.state)            # under a mesh the loop state keeps its layout
     dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
-    _, dstate = drafter.propose_budget(inp.dparams, dstate, draft_context(spec, inp, state), 0)
+    ctx = draft_context(spec, inp, state)
+    if drafter.proposes_tree:
+      _, dstate = drafter.propose_budget(inp.dparams, dstate, ctx, 0)
+    else:                                     # what commit needs of a propose (its draft is not verified)
+      _, dstate = drafter.propose(inp.dparams, dstate, ctx)
     bufs = dict(tokens=jnp.zeros((b, chunk), jnp.int32), prenorm=zeros_like_taps(taps_shape["prenorm"]),
                 layers=tuple(zeros_like_taps(s) for s in taps_shape["layers"]))
 

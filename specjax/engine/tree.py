@@ -179,8 +179,8 @@ def _accept_one_hot(p, tokens, parents, shape, u):
   every ancestor is the first acceptable child of its parent. Returns accepted [B, T] bool."""
   valid = shape.valid
   rows = parents + 1                                                               # [B, T] parent's row of p
-  p_par = jnp.take_along_axis(p, rows[:, :, None], axis=1)                         # [B, T, V] p at the parent
-  p_tok = jnp.take_along_axis(p_par, tokens[:, :, None], axis=2)[..., 0]           # [B, T] p(x_i) at its parent
+  # one gather of B x T scalars (not the parents' [B, T, V] rows, then the token's column)
+  p_tok = p[jnp.arange(p.shape[0])[:, None], rows, tokens]                         # [B, T] p(x_i) at its parent
   before = _siblings_before(parents, valid)                                        # [B, T, T]
   same_tok = tokens[:, :, None] == tokens[:, None, :]                              # [B, T, T]
   dup = jnp.any(before & same_tok, axis=2)                                         # [B, T] token already tried
