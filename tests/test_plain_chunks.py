@@ -79,3 +79,24 @@ def test_plain_chunks_leave_the_state_of_width_zero_rounds(name, target, tmp_pat
     assert np.abs(other - want_l).max() > 1e-2            # the marginals do follow the window
   else:
     assert len(np.unique(np.asarray(got.tokens))) > 2, got.tokens
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash"])
+def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, target, tmp_path):
+  """Adaptive drafting with a chain drafter whose drafts cost far more than they give (widths 0 / 2 /
+  3 at 1 / 50 / 100 ms): batch 3 greedy output identical to plain decoding; most rounds run at width
+  0, as plain chunks; the exploring segments verify drafts."""
+  from specjax.engine import adaptive as adapt, speculative_generate
+  from specjax.engine.decode import generate_plain
+  spec = speculator_spec.get(name)
+  d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
+  ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 50.0, 100.0), segment_rounds=4, explore_rounds=2,
+                            explore_every=3)
+  plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=24).tokens
+  res = speculative_generate(target.params, target.cfg, PROMPTS, d, max_new_tokens=24,
+                             draft_params=DraftParams(n_max=3), adaptive=ac)
+  assert res.tokens == plain, name
+  rec = res.stats.adaptive
+  at_zero = sum(n for w, n in rec["segments"] if w == 0)
+  assert sum(n for _, n in rec["segments"]) == max(res.stats.per_seq_rounds), rec
+  assert at_zero >= max(res.stats.per_seq_rounds) / 2 and any(w == 3 for w, _ in rec["segments"]), rec

@@ -92,6 +92,8 @@ SLOW: dict[str, str] = {
   "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[draft_tree]": "CI: the other drafters (draft_tree's commit is a no-op; its propose catches up)",
   "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[eagle3]": "CI: [eagle3_tree] (the same commit)",
   "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[dflash]": "CI: [dflash_tree] (the same commit)",
+  "test_plain_chunks.py::test_adaptive_chains_back_off_to_plain_chunks_losslessly[eagle3]": "CI: [mtp]; the chunks' state in test_plain_chunks_leave_the_state_of_width_zero_rounds[eagle3_tree]",
+  "test_plain_chunks.py::test_adaptive_chains_back_off_to_plain_chunks_losslessly[dflash]": "CI: [mtp]; the chunks' state in test_plain_chunks_leave_the_state_of_width_zero_rounds[dflash_tree]",
   "test_engine.py::test_sampled_speculation_preserves_the_token_law[temp1]": "CI: [temp1_topk5_topp0.9] (the same drafter and law check, filtered), test_registry_laws[draft]",
 }
 
