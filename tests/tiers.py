@@ -95,6 +95,16 @@ SLOW: dict[str, str] = {
   "test_plain_chunks.py::test_adaptive_chains_back_off_to_plain_chunks_losslessly[eagle3]": "CI: [mtp]; the chunks' state in test_plain_chunks_leave_the_state_of_width_zero_rounds[eagle3_tree]",
   "test_plain_chunks.py::test_adaptive_chains_back_off_to_plain_chunks_losslessly[dflash]": "CI: [mtp]; the chunks' state in test_plain_chunks_leave_the_state_of_width_zero_rounds[dflash_tree]",
   "test_engine.py::test_sampled_speculation_preserves_the_token_law[temp1]": "CI: [temp1_topk5_topp0.9] (the same drafter and law check, filtered), test_registry_laws[draft]",
+  "test_sharding.py::test_sampled_speculation_on_a_mesh_keeps_the_token_law": "CI: greedy on a (2, 4) mesh (the sampler's keys are per sequence and the mesh splits sequences); the law on one device in test_engine and test_registry_laws",
+  "test_plain_chunks.py::test_plain_chunks_leave_the_state_of_width_zero_rounds[mtp]": "CI: [eagle3_tree] (MTP's commit writes the same kind of entries); MTP's back-off in test_adaptive_chains_back_off_to_plain_chunks_losslessly[mtp]",
+  "test_dflash.py::test_greedy_is_lossless_batch_1_and_3": "CI: test_registry_laws[dflash] (lossless), test_engine_rounds_replay_from_training_blocks (a trained drafter's rounds in the engine)",
+  "test_eagle3.py::test_greedy_speculation_is_lossless_batch_1[tree]": "CI: test_registry_laws[eagle3_tree]",
+  "test_fused_decode.py::test_kernels_over_row_blocks_and_ragged_columns[dot-unrolled]": "CI: [dot-one-step], [dot-row-blocks]",
+  "test_fused_decode.py::test_kernels_over_row_blocks_and_ragged_columns[row-sums-unrolled]": "CI: [row-sums-loop]",
+  "test_fused_decode.py::test_kernels_over_row_blocks_and_ragged_columns[row-sums-one-step]": "CI: [row-sums-loop]",
+  "test_fused_decode.py::test_greedy_decode_tokens_equal_the_xla_path[qwen3-qknorm]": "CI: [llama]; qk-norm in test_fused_block_equals_xla_block[qwen3-qknorm-float32-decode]",
+  "test_hybrid.py::test_greedy_speculation_is_lossless[per_step-ngram_simple-1]": "CI: [redecode-ngram_simple-3], [per_step-draft-3]",
+  "test_engine.py::test_p_min_and_n_max_cut_the_draft[blocks-of-1]": "CI: [blocks-of-2]",
 }
 
 # The opt-in fused decode layers (slower than XLA where measured): each architecture once in the CI tier,
