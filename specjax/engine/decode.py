@@ -19,15 +19,23 @@ from specjax.engine.generation import GenState, emit, outputs_of, pad_prompts, p
 from specjax.engine.sampling import SamplingParams, next_token, split_keys
 
 
-def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, stop_ids,
-                        max_new) -> tuple[GenState, jax.Array]:
-  """One token per live sequence: forward `last`, sample, emit. -> (state, emitted [B])."""
+def decode_step_tapped(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new,
+                       taps=()) -> tuple[GenState, jax.Array, dict]:
+  """One token per live sequence: forward `last`, sample, emit. -> (state, emitted [B], the target's
+  hidden states at `last`: {"prenorm": [B, 1, d], "layers": per tapped layer [B, 1, d]})."""
   live = (~state.done).astype(jnp.int32)
-  logits, _, cache = target_of(cfg).forward(params, cfg, state.last[:, None], state.cache, n_new=live)
+  logits, tapped, cache = target_of(cfg).forward(params, cfg, state.last[:, None], state.cache, n_new=live,
+                                                 taps=taps)
   keys, use = split_keys(state.keys)
   token = next_token(logits[:, 0], sampling, use)                                # [B]
   state = dataclasses.replace(state, cache=cache, keys=keys)
-  return emit(state, token[:, None], live, stop_ids, max_new)
+  return (*emit(state, token[:, None], live, stop_ids, max_new), tapped)
+
+
+def decode_step_counted(params, cfg, state: GenState, sampling: SamplingParams, stop_ids,
+                        max_new) -> tuple[GenState, jax.Array]:
+  """One token per live sequence: forward `last`, sample, emit. -> (state, emitted [B])."""
+  return decode_step_tapped(params, cfg, state, sampling, stop_ids, max_new)[:2]
 
 
 def decode_step(params, cfg, state: GenState, sampling: SamplingParams, stop_ids, max_new) -> GenState:

@@ -21,17 +21,13 @@ output is plain decoding's; sampled output is distributed as the target's, as in
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from specjax import parallel
 from specjax.drafters.base import RoundResult
-from specjax.engine.generation import emit, target_of
-from specjax.engine.round import Carry, RoundInputs, RoundSpec, draft_context
-from specjax.engine.sampling import next_token, split_keys
-from specjax.engine.tree import max_depth_of
+from specjax.engine.decode import decode_step_tapped
+from specjax.engine.round import Carry, RoundInputs, RoundSpec, commit_width, draft_context
 
 
 def supports(spec: RoundSpec) -> bool:
@@ -43,26 +39,16 @@ def supports(spec: RoundSpec) -> bool:
           and (d.budgeted or not d.proposes_tree))
 
 
-def _chunk(drafter) -> int:
-  """Steps per chunk: the verified width of the drafter's rounds (a tree's depth + 1, a chain's K + 1)."""
-  return (max_depth_of(drafter) if drafter.proposes_tree else drafter.max_draft) + 1
-
-
-def _forward_with_taps(spec: RoundSpec, inp: RoundInputs, state):
-  """One plain decoding step's forward of `last`, keeping the drafter's taps."""
-  live = (~state.done).astype(jnp.int32)
-  return target_of(spec.cfg).forward(inp.params, spec.cfg, state.last[:, None], state.cache, n_new=live,
-                                     taps=spec.taps)
-
-
 def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[Carry, jax.Array, jax.Array]:
   """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
   chunks of up to W+1, the drafter caught up after each. -> (carry, rounds each sequence was live
   in [B], rounds run [])."""
   drafter = spec.drafter
-  chunk = _chunk(drafter)
+  chunk = commit_width(spec)
   b = carry.state.last.shape[0]
-  _, taps_shape, _ = jax.eval_shape(lambda s: _forward_with_taps(spec, inp, s), carry.state)
+  step_tapped = lambda s: decode_step_tapped(inp.params, spec.cfg, s, inp.sampling, inp.stop_ids, inp.max_new,
+                                             taps=spec.taps)
+  taps_shape = jax.eval_shape(step_tapped, carry.state)[2]
 
   def zeros_like_taps(s):                                                        # [B, 1, d] -> [B, chunk, d]
     return jnp.zeros((b, chunk) + s.shape[2:], s.dtype)
@@ -83,14 +69,11 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
     def step(s):
       state, stats, bufs, steps, i = s
       live = ~state.done
-      logits, tapped, cache = _forward_with_taps(spec, inp, state)
-      keys, use = split_keys(state.keys)
-      token = next_token(logits[:, 0], inp.sampling, use)                           # [B]
       put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i, axis=1)
-      bufs = dict(tokens=put(bufs["tokens"], state.last[:, None]), prenorm=put(bufs["prenorm"], tapped["prenorm"]),
+      tokens = put(bufs["tokens"], state.last[:, None])                             # the step's input
+      state, n_out, tapped = step_tapped(state)
+      bufs = dict(tokens=tokens, prenorm=put(bufs["prenorm"], tapped["prenorm"]),
                   layers=tuple(put(x, h) for x, h in zip(bufs["layers"], tapped["layers"])))
-      state, n_out = emit(dataclasses.replace(state, cache=cache, keys=keys), token[:, None], live.astype(jnp.int32),
-                          inp.stop_ids, inp.max_new)
       zeros = jnp.zeros_like(n_out)
       stats = stats.update(zeros, zeros, live, n_out, n_verified=zeros)
       return state, stats, bufs, steps + live.astype(jnp.int32), i + 1

@@ -221,11 +221,15 @@ def _pad_to(x, width: int):
   return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
+def commit_width(spec: RoundSpec) -> int:
+  """Verified tokens of the drafter's rounds as its commit sees them: a tree's depth + 1, a chain's K + 1."""
+  return (max_depth_of(spec.drafter) if spec.proposes_tree else spec.drafter.max_draft) + 1
+
+
 def _round_result(spec: RoundSpec, v: Verdict) -> RoundResult:
   """What the drafter's commit sees; arrays keep the drafter's width at every round width: K+1 for a
   chain, D+1 for a tree (a tree round at node budget 0 verifies `last` alone)."""
-  width = (max_depth_of(spec.drafter) if spec.proposes_tree else spec.drafter.max_draft) + 1
-  pad = lambda x: _pad_to(x, width)
+  pad = lambda x: _pad_to(x, commit_width(spec))
   return RoundResult(n_accepted=v.n_accepted, next_token=v.next_token, verified=pad(v.path),
                      prenorm=pad(v.taps["prenorm"]), layer_taps=tuple(pad(h) for h in v.taps["layers"]), live=v.live)
 
