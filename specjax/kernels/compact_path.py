@@ -12,8 +12,7 @@ target past it is dropped (scatter mode "drop").
 
 `compact` dispatches: SPECJAX_COMPACT_PATH=pallas runs the kernel (Pallas interpret mode off a
 GPU), xla the XLA reference; auto (the default) runs the kernel on a GPU for shapes whose probe
-matched the reference, the reference elsewhere. On a GPU the kernel moves SmolLM2's 60 arrays in
-about a third of the reference's time (experiments/bench_compact_path.py).
+matched the reference, the reference elsewhere (its speed against XLA: experiments/bench_compact_path.py).
 """
 
 from __future__ import annotations
