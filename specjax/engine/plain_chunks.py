@@ -3,7 +3,7 @@
 At width 0 (a chain of no drafts, a tree of no nodes) a round verifies `last` alone: one token a
 round, as plain decoding, but through the round's machinery: the drafter's propose (a chain
 drafter drafts its whole chain, then the round drops it), verification, for trees the path move,
-the drafter's commit. At batch 8 a budget-0 tree round cost about 1.2 plain steps. `plain_chunks`
+the drafter's commit. `plain_chunks`
 runs such a stretch as plain decoding steps that keep the target's taps (the hidden states a
 drafter conditions on) and catches the drafter up once per chunk of up to W+1 steps (W: the
 drafter's round width, a tree's depth or a chain's K) as one round whose draft was the chunk's
