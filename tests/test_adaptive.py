@@ -15,6 +15,7 @@ import pytest
 from conftest import perturb
 from specjax.engine import adaptive as adapt
 from specjax.engine.decode import generate_plain
+from specjax.drafters.base import DraftParams
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice
@@ -56,6 +57,29 @@ def test_controller_follows_acceptance_and_cost():
   host.costs = mild
   assert host.lengths(caps, live).tolist() == [2, min(2, n[1])]     # then the width the estimates choose
   assert host.record()["segments"] == [[4, 1], [2, 1]]
+
+
+def test_host_width_finishes_the_static_batch_soonest_at_learned_costs():
+  """A static batch runs until its slowest sequence is done: with one sequence drafting well and one
+  with nothing to draft (cap 0), drafting maximizes tokens per ms but finishes no sooner, so the host
+  loop's rule (`choose_width_finish`) stays at width 0, and drafts once the sequence without drafts
+  is nearly done. Round costs start at their priors (width 0 at the plain step's cost), a host round
+  run replaces its width's prior and scales the unseen widths by its measured / prior ratio; costs a
+  config gives stay as given."""
+  rates, live, costs = 0.9 ** np.arange(1, K + 1), np.ones(2, bool), np.asarray([1.0, 1.5, 2.0])
+  caps = np.asarray([K, 0])
+  assert WIDTHS[adapt.choose_width_np(rates, caps, live, WIDTHS, costs)] == 4
+  assert WIDTHS[adapt.choose_width_finish(rates, caps, live, [10, 10], WIDTHS, costs)] == 0
+  assert WIDTHS[adapt.choose_width_finish(rates, caps, live, [10, 2], WIDTHS, costs)] == 4
+  rc = adapt.RoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, plain_ms=0.5)
+  assert rc.costs.tolist() == pytest.approx([0.5, 2.2, 2.4])
+  rc.observe(2, 4.4)                           # a host round at width 2: twice its forward-only prior
+  assert rc.costs.tolist() == pytest.approx([0.5, 4.4, 2.4 * 1.5])
+  rc.observe(0, 12.0, rounds=8)                # a plain segment: 1.5 ms a step
+  assert rc.costs[0] == pytest.approx(1.0)
+  fixed = adapt.RoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, learn=False)
+  fixed.observe(2, 9.0)
+  assert fixed.costs.tolist() == pytest.approx([2.0, 2.2, 2.4])
 
 
 def test_update_estimates_acceptance_per_token_and_per_position():
@@ -347,3 +371,36 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   assert any(w == 0 for w, _ in res.stats.adaptive["segments"]), res.stats.adaptive
   assert plain_rounds._cache_size() == compiled
+  # costs learned (no config costs): the warm-up times the plain step once for the shape, with its
+  # token budget lifted on copies; the timed run reuses it and learns the host rounds' costs
+  host_loop_module = importlib.import_module("specjax.engine.host_loop")
+  learned = dict(capacity=128, adaptive=dataclasses.replace(ac, costs=None))
+  timed_before = len(host_loop_module._PLAIN_MS)
+  speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2, warm_widths=True,
+                       **learned)
+  assert len(host_loop_module._PLAIN_MS) == timed_before + 1
+  res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW, **learned)
+  assert len(host_loop_module._PLAIN_MS) == timed_before + 1 and plain_rounds._cache_size() == compiled
+  assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  rec = res.stats.adaptive
+  assert rec["costs_ms"][1] != pytest.approx(rec["prior_ms"][1]), rec      # width 2's host rounds were timed
+
+
+def test_rounds_without_drafts_count_against_drafting(tiny_llama):
+  """Device loop, a drafter whose acceptance is estimated from its verified drafts (the draft model)
+  but which drafts nothing (p_min 1: never that sure): a round with no draft where one was asked
+  for counts as a rejection at its first position, so after each exploring segment the controller
+  backs off to width 0 (rounds that gain one token at any width) for the rounds up to the next
+  exploring segment, in one segment, instead of keeping the prior's acceptance and drafting on.
+  Greedy output stays plain decoding's."""
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=(1.0, 1.3, 1.6), segment_rounds=3, explore_rounds=2, explore_every=4)
+  d = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=1))
+  res = speculative_generate(params, cfg, PROMPTS3, d, max_new_tokens=MAX_NEW, adaptive=ac,
+                             draft_params=DraftParams(n_max=K, p_min=1.0))
+  assert res.tokens == plain
+  segs = res.stats.adaptive["segments"]
+  assert res.stats.gen_tokens == 0 and segs[0] == [WIDTHS[-1], ac.explore_rounds], segs
+  assert all(r <= ac.explore_rounds for w, r in segs if w > 0), segs        # only the exploring rounds draft
+  assert [w for w, _ in segs[:3]] == [WIDTHS[-1], 0, WIDTHS[-1]] and segs[1][1] == 3 * ac.segment_rounds, segs

@@ -120,6 +120,14 @@ class DeviceDrafter(Drafter):
     needs (adaptive drafting backs off to rounds that verify `last` alone)."""
     raise NotImplementedError(f"{self.name} has no node budget to choose")
 
+  def begin_chunk(self, dparams, dstate, ctx: DraftContext) -> Any:
+    """`chunk_commit` drafters: the state a round's propose leaves for its commit, without the
+    draft (the start of a plain chunk, `specjax.engine.plain_chunks`). Here: a budget-0 tree, or
+    the whole chain proposed and dropped; drafters whose commit needs less override it."""
+    if self.proposes_tree:
+      return self.propose_budget(dparams, dstate, ctx, 0)[1]
+    return self.propose(dparams, dstate, ctx)[1]
+
   def end_device(self, dstate) -> None:
     """After a request: keep what outlives it (drafters with cross-request memory). No-op here."""
 

@@ -275,6 +275,11 @@ class DFlashDrafter(DeviceDrafter):
     return (Draft(tokens=tokens, lengths=lengths, q=q),
             dataclasses.replace(dstate, keys=keys, base=ctx.target_len))
 
+  def begin_chunk(self, dparams, dstate: DFlashState, ctx: DraftContext) -> DFlashState:
+    """What propose leaves for commit (the anchor's position, the sampler key step); no drafting."""
+    keys, _ = split_keys(dstate.keys)
+    return dataclasses.replace(dstate, keys=keys, base=ctx.target_len)
+
   def commit(self, dparams, dstate: DFlashState, result: RoundResult) -> DFlashState:
     """Write the features of [last, d1..dn] (positions base .. base+n) into the window."""
     feats = self.fuse(dparams, result.layer_taps)                                  # [B, K+1, D]

@@ -143,6 +143,13 @@ class Eagle3Drafter(DeviceDrafter):
     draft = Draft(tokens=jnp.stack(tokens, axis=1), lengths=lengths, q=jnp.stack(qs, axis=1))   # [B, K], [B, K, V]
     return draft, dataclasses.replace(dstate, cache=cache, base=ctx.target_len, key=key)
 
+  def begin_chunk(self, dparams, dstate: Eagle3State, ctx: DraftContext) -> Eagle3State:
+    """Propose's root entry alone (what commit's entries follow) and its sampler key step; no
+    draft steps."""
+    _, cache = self._root(dparams, dstate, ctx)
+    key, _ = split_keys(dstate.key)
+    return dataclasses.replace(dstate, cache=cache, base=ctx.target_len, key=key)
+
   def commit(self, dparams, dstate: Eagle3State, result: RoundResult) -> Eagle3State:
     """Drop the draft entries; write (g_p, x_{p+1}) for the accepted tokens with the target's taps
     from verification; the g that predicted the new `last` waits. `verified` is [last, accepted
@@ -239,6 +246,9 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
   def propose(self, dparams, dstate: Eagle3State, ctx: DraftContext):
     return self.propose_budget(dparams, dstate, ctx, self.max_draft)
+
+  def begin_chunk(self, dparams, dstate: Eagle3State, ctx: DraftContext) -> Eagle3State:
+    return self.propose_budget(dparams, dstate, ctx, 0)[1]      # trees draw no keys
 
   def propose_budget(self, dparams, dstate: Eagle3State, ctx: DraftContext, n_nodes: int):
     """The tree of the best `n_nodes` nodes, ranked by score; at 0 the root entry alone."""

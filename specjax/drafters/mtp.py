@@ -288,6 +288,17 @@ class MTPDrafter(DeviceDrafter):
     _, _, caches, tokens, _, lengths = carry
     return Draft(tokens=tokens, lengths=lengths), dataclasses.replace(dstate, caches=caches, base=ctx.target_len)
 
+  def begin_chunk(self, dparams, dstate: MTPState, ctx: DraftContext) -> MTPState:
+    """Propose's step 0 alone: the committed entry (pending, last) at position target_len - 1 in
+    every head, which commit's entries follow; no draft steps."""
+    tp, heads = dparams["target"], dparams["heads"]
+    base_pos = ctx.target_len - 1                                                   # [B]
+    emb = self._embed(tp, ctx.last[:, None], base_pos[:, None])                     # [B, 1, D]
+    ones = jnp.ones_like(base_pos)
+    caches = tuple(head_step(hp, self.cfg, emb, dstate.pending[:, None], cache, base_pos[:, None], ones)[1]
+                   for hp, cache in zip(heads, dstate.caches))
+    return dataclasses.replace(dstate, caches=caches, base=ctx.target_len)
+
   def commit(self, dparams, dstate: MTPState, result: RoundResult) -> MTPState:
     """Drop the draft entries; write (h_p, x_{p+1}) for the accepted tokens with the target's
     hidden states from verification; the hidden state that predicted the new `last` waits."""

@@ -89,6 +89,8 @@ class AdaptiveConfig:
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
                                   # the first segment, then one every `explore_every` segments
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
+  backoff_segments: int = 2       # device loop, replayed drafters: at most this many segments run as one
+                                  # at width 0 (other drafters run width 0 up to their next exploring segment)
   tie: float = 0.0                # device loop: widths whose predicted time is within this fraction of the best
                                   # tie, and the widest of them is chosen; a width is pruned when a wider one
                                   # costs at most (1 + tie) times as much per round (`prune_widths`). Exact
@@ -280,25 +282,85 @@ def _forward_logits(params, tokens, state, *, target, cfg):
   return jnp.argmax(logits, axis=-1)     # what verification reads; keeps the LM head live
 
 
+def choose_width_finish(rates, caps, live, remaining, widths: tuple[int, ...], costs) -> int:
+  """Index into widths of the width that finishes a static batch soonest (the host loop's form of
+  `choose_width_device`): sequence i drafts min(w, caps_i) tokens, position j accepted with
+  probability rates[j-1], and the batch runs until its slowest live sequence has its `remaining`
+  tokens. Ties go to the narrower width."""
+  rates = np.asarray(rates, np.float64)
+  cum = np.concatenate([[0.0], np.cumsum(rates)])                                          # [K+1]
+  n_w = np.minimum(np.minimum(np.asarray(widths)[:, None], np.asarray(caps)[None, :]), len(rates))   # [W, B]
+  tau = 1.0 + cum[n_w]                                                                     # [W, B]
+  need = np.max(np.where(np.asarray(live)[None, :], np.asarray(remaining, np.float64)[None, :] / tau, 0.0), axis=1)
+  return int(np.argmin(np.asarray(costs, np.float64) * need))
+
+
+class RoundCosts:
+  """The host loop's ms per round at each width, learned from the rounds it runs: a host round
+  (the host's draft, one device call, the wait) at its verification width, and width 0 as plain
+  decoding steps on the device (a plain segment's ms per step). Starts from `prior` (the
+  forward-only calibration, which leaves out the host's drafting and transfers); a width not run
+  yet reads its prior scaled by what the runs so far cost against their priors."""
+
+  def __init__(self, widths: tuple[int, ...], prior, decay: float, plain_ms: float | None = None, learn: bool = True):
+    self.widths, self.decay, self.learn = widths, decay, learn
+    self.prior = np.asarray(prior, np.float64).copy()
+    self.seen = np.zeros(len(widths), bool)
+    self.ms = self.prior.copy()
+    self.ratio = 1.0                     # decayed mean of measured / prior over host rounds
+    if plain_ms is not None and widths[0] == 0:
+      self.ms[0], self.seen[0] = plain_ms, True
+
+  def observe(self, width: int, ms: float, rounds: int = 1) -> None:
+    if not self.learn or width not in self.widths:
+      return
+    i = self.widths.index(width)
+    per = ms / max(rounds, 1)
+    self.ms[i] = per if not self.seen[i] else self.decay * self.ms[i] + (1 - self.decay) * per
+    self.seen[i] = True
+    if width > 0:
+      self.ratio = self.decay * self.ratio + (1 - self.decay) * per / max(self.prior[i], 1e-6)
+
+  @property
+  def costs(self) -> np.ndarray:
+    return np.where(self.seen, self.ms, self.prior * np.where(np.asarray(self.widths) > 0, self.ratio, 1.0))
+
+
 class HostController:
   """The same controller for the host loop (numpy, no device round trip): `lengths` before a
   round, `observe` after it. The first `explore_rounds` rounds, and as many every
-  `explore_every` x `segment_rounds` rounds, run at the widest width."""
+  `explore_every` x `segment_rounds` rounds, run at the widest width. Given the sequences'
+  `remaining` tokens it chooses the width that finishes the batch soonest (a static batch waits
+  for its slowest sequence), else the one with the most tokens per ms; costs per width are
+  learned from the rounds run (`RoundCosts`; width 0 at `plain_ms`, a plain decoding step, when
+  given: such rounds run on the device in one call)."""
 
-  def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray):
-    self.ac, self.widths, self.costs = ac, ac.widths_for(k), np.asarray(costs, np.float64)
+  def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray, plain_ms: float | None = None):
+    self.ac, self.widths = ac, ac.widths_for(k)
+    # costs the config gives are kept as given; otherwise learned from the rounds run
+    self.round_costs = RoundCosts(self.widths, costs, ac.decay, plain_ms, learn=ac.costs is None)
     self.state = AdaptiveState.init(batch, ac, np)
     self.rates = PositionRates(k, ac)
     self.asked = np.zeros(batch, np.int64)
     self.round = 0
     self.chosen: list[int] = []        # the width of every round
 
-  def lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
+  @property
+  def costs(self) -> np.ndarray:
+    return self.round_costs.costs
+
+  @costs.setter
+  def costs(self, value) -> None:      # fixed costs (tests, `AdaptiveConfig.costs`)
+    self.round_costs = RoundCosts(self.widths, value, self.ac.decay, learn=False)
+
+  def lengths(self, n_max: np.ndarray, live: np.ndarray, remaining: np.ndarray | None = None) -> np.ndarray:
     caps = longest_useful(self.state.alpha, n_max, self.ac.reach_min)
     if self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
       w = self.widths[-1]
     else:
-      w = self.widths[choose_width_np(self.rates.optimistic(self.ac.optimism), caps, live, self.widths, self.costs)]
+      rates = self.rates.optimistic(self.ac.optimism)
+      w = self.widths[choose_width_np(rates, caps, live, self.widths, self.costs) if remaining is None else
+                      choose_width_finish(rates, caps, live, remaining, self.widths, self.costs)]
     self.round += 1
     self.chosen.append(int(w))
     self.asked = np.where(live, np.minimum(w, caps), 0)
@@ -317,6 +379,11 @@ class HostController:
     self.round += rounds
     self.chosen.extend([0] * rounds)
 
+  def observe_cost(self, width: int, ms: float, rounds: int = 1) -> None:
+    """A host round at verification width `width` took `ms`, or a plain segment (width 0) of
+    `rounds` steps did."""
+    self.round_costs.observe(width, ms, rounds)
+
   def observe(self, dlen: np.ndarray, n_acc: np.ndarray, live: np.ndarray) -> None:
     self.state = update(self.state, dlen, n_acc, live, self.ac.decay)
     self.rates.observe_round(self.asked, n_acc, live)
@@ -330,7 +397,8 @@ class HostController:
         runs[-1][1] += 1
       else:
         runs.append([w, 1])
-    return {"widths": list(self.widths), "costs_ms": [float(c) for c in self.costs], "segments": runs}
+    return {"widths": list(self.widths), "costs_ms": [float(c) for c in self.costs],
+            "prior_ms": [float(c) for c in self.round_costs.prior], "segments": runs}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ class Control:
   replay: ReplayState      # replayed acceptance per width (replayable drafters)
   acceptance: adapt.AdaptiveState   # censored-geometric acceptance per sequence (other drafters)
   budgets: BudgetTally     # tokens per round each node budget would have given (tree drafters)
-  segment: jax.Array       # [] int32 segments run
+  segment: jax.Array       # [] int32 segments run (a backing-off segment counts as the segments it stands for)
+  streak: jax.Array        # [] int32 segments in a row that backed off (width 0)
   total: jax.Array         # [] int32 rounds run
   log_width: jax.Array     # [L] int32 width index of each segment (the last slot collects the rest)
   log_rounds: jax.Array    # [L] int32 rounds of each segment
@@ -53,7 +54,7 @@ class Control:
     z = jnp.zeros((ADAPTIVE_LOG,), jnp.int32)
     b = carry.state.last.shape[0]
     return Control(replay=ReplayState.init(carry.state.hist_len, n_widths), acceptance=adapt.AdaptiveState.init(b, ac),
-                   budgets=BudgetTally.init(n_widths, b), segment=jnp.int32(0), total=jnp.int32(0), log_width=z,
+                   budgets=BudgetTally.init(n_widths, b), segment=jnp.int32(0), streak=jnp.int32(0), total=jnp.int32(0), log_width=z,
                    log_rounds=z)
 
 
@@ -64,28 +65,48 @@ def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
 
 
 def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, widths, force, max_rounds):
-  """-> (width index [], rounds []) of the next segment."""
+  """-> (width index [], rounds [], segments the segment stands for []) of the next segment.
+
+  Backing off (width 0 chosen) runs several segments' rounds as one: every segment costs the
+  controller's work and the entry into each width's loop beside its rounds, and at width 0 there
+  is little to learn. Drafters whose estimates rounds at width 0 cannot change (trees, the
+  censored-geometric chains) run up to their next exploring segment; replayed drafters, which
+  learn from the plain stream too, one segment for the first two back-offs in a row, then twice
+  as many as the last, up to `ac.backoff_segments` (and K + 1: the replay window covers that many
+  segments' tokens)."""
   live = ~carry.state.done
   remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
+  to_explore = ac.explore_every - ctl.segment % ac.explore_every              # segments up to the next exploring one
   if spec.drafter.replayable:
     tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
     rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
     wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
+    span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)),
+                       min(ac.backoff_segments, spec.drafter.max_draft + 1))
   elif spec.proposes_tree:
     wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac)
+    span = to_explore
   else:
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     explore = ctl.segment % ac.explore_every == 0
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
+    span = to_explore
+  backoff = (widths[0] == 0) & (wi == 0) & (rounds == ac.segment_rounds)     # not an exploring segment
+  span = jnp.where(backoff, jnp.maximum(span, 1), 1).astype(jnp.int32)
+  rounds = rounds * span
   wi = jnp.where(force >= 0, force, wi).astype(jnp.int32)
+  span = jnp.where(force >= 0, 1, span)
   rounds = jnp.minimum(jnp.where(force >= 0, max_rounds, rounds), max_rounds - ctl.total)
-  return wi, rounds
+  return wi, rounds, span
 
 
-def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran) -> Control:
-  """The controller after a segment: replayed acceptance, or the acceptance totals (trees: tallied
-  round by round, `_segment`), and the log."""
+def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran, span, n_max) -> Control:
+  """The controller after a segment standing for `span` segments: replayed acceptance, or the
+  acceptance totals (trees: tallied round by round, `_segment`), and the log. For the totals a
+  round that drafted nothing where a draft was asked for (no n-gram match, a draft under n_min)
+  counts as a rejection at its first position: such a sequence gains one token a round at any
+  width, which its acceptance of the drafts it did make would overstate."""
   replay, acceptance = ctl.replay, ctl.acceptance
   if spec.drafter.replayable:
     k = spec.drafter.max_draft
@@ -93,11 +114,15 @@ def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran)
     replay = replay_segment(ctl.replay, spec.drafter.propose_at, after.state.history, after.state.hist_len,
                             widths, k, window, ac.decay)
   elif not spec.proposes_tree:
-    acceptance = adapt.update_totals(ctl.acceptance, after.stats.acc_tokens - before.stats.acc_tokens,
-                                     after.stats.rejected - before.stats.rejected, ac.decay)
+    delta = lambda f: getattr(after.stats, f) - getattr(before.stats, f)
+    asked = (jnp.asarray(widths, jnp.int32)[wi] > 0) & (n_max > 0)                 # [B]
+    empty = jnp.where(asked, delta("rounds") - delta("gen_drafts"), 0)
+    acceptance = adapt.update_totals(ctl.acceptance, delta("acc_tokens"), delta("rejected") + empty, ac.decay)
   slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
-  return dataclasses.replace(ctl, replay=replay, acceptance=acceptance, segment=ctl.segment + 1, total=ctl.total + ran,
-                             log_width=ctl.log_width.at[slot].set(wi), log_rounds=ctl.log_rounds.at[slot].add(ran))
+  streak = jnp.where(jnp.asarray(widths, jnp.int32)[wi] == 0, ctl.streak + 1, 0)
+  return dataclasses.replace(ctl, replay=replay, acceptance=acceptance, segment=ctl.segment + span, streak=streak,
+                             total=ctl.total + ran, log_width=ctl.log_width.at[slot].set(wi),
+                             log_rounds=ctl.log_rounds.at[slot].add(ran))
 
 
 def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi, rounds):
@@ -129,9 +154,9 @@ def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, 
 
   def body(c):
     carry, ctl = c
-    wi, rounds = _choose(spec, ac, carry, ctl, inp, costs, widths, force, max_rounds)
+    wi, rounds, span = _choose(spec, ac, carry, ctl, inp, costs, widths, force, max_rounds)
     after, ctl, ran = _segment(specs, ac, inp, carry, ctl, widths, wi, rounds)
-    return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran)
+    return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran, span, inp.dp["n_max"])
 
   carry, ctl = jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1].total < max_rounds), body,
                                   (carry, Control.init(carry, ac, len(widths))))

@@ -57,26 +57,67 @@ def _warm_widths(spec, inp, carry, k, n_max):
 
 def _plain_segment(spec, inp, carry, control, histories):
   """The rounds up to the controller's next exploring round as plain decoding steps, one device
-  call; the new tokens go onto `histories`. -> (carry, done [B])."""
+  call; the new tokens go onto `histories`, the segment's ms per step to the controller's costs.
+  -> (carry, done [B])."""
+  t0 = time.perf_counter()
   carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))
   history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
+  control.observe_cost(0, (time.perf_counter() - t0) * 1e3, int(ran))
   control.ran_plain(int(ran) - 1)
   for i, h in enumerate(histories):
     h.extend(history[i, len(h): hist_len[i]].tolist())
   return carry, done
 
 
+_PLAIN_MS: dict = {}     # ms per plain decoding step, by shape (`adapt.cost_key`)
+
+
+def _plain_step_ms(spec, inp, carry, key, short: int = 2, long: int = 10) -> float | None:
+  """ms per plain decoding step at this shape, the difference of a long and a short plain segment
+  run on copies of the state with the token budget lifted (compiles `plain_rounds`, which backing
+  off runs; a benchmark's short warm-up caches it for the timed runs); cached per shape. None when
+  the cache has no room for the long segment."""
+  if key in _PLAIN_MS:
+    return _PLAIN_MS[key]
+  state = carry.state
+  room = min(int(state.cache.capacity) - int(jnp.max(state.cache.lengths)),
+             int(state.history.shape[1]) - int(jnp.max(state.hist_len))) - 2
+  if room <= long:
+    return None
+  lifted = dataclasses.replace(inp, max_new=jnp.full_like(inp.max_new, int(jnp.max(state.n_out)) + long + 1))
+
+  def run(n):
+    c = jax.tree_util.tree_map(jnp.copy, carry)
+    jax.block_until_ready(c)
+    t0 = time.perf_counter()
+    _, ran = plain_rounds(spec, lifted, c, jnp.int32(n))
+    return (time.perf_counter() - t0) * 1e3, int(ran)
+
+  run(short)                         # compile
+  per = []
+  for _ in range(3):
+    (t_s, r_s), (t_l, r_l) = run(short), run(long)
+    per.append((t_l - t_s) / max(r_l - r_s, 1))
+  _PLAIN_MS[key] = max(float(np.median(per)), 1e-3)
+  return _PLAIN_MS[key]
+
+
 def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens, *, capacity, history_len,
               warm_widths=False, adaptive=None, costs=None):
   """-> (carry, host drafting seconds, adaptive record or None)."""
   b, k = len(prompts), drafter.max_draft
-  control = adapt.HostController(adaptive, b, k, costs) if adaptive else None
+  key = adapt.cost_key(inp.params, spec.cfg, b, capacity, ("plain step",))
   carry = prefill_request(spec.prefill_spec(), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=capacity,
                           history_len=history_len)
   carry = dataclasses.replace(carry, stats=RoundStats.zeros(b, k))
-  n_max = np.asarray(inp.dp["n_max"])
+  n_max, max_new = np.asarray(inp.dp["n_max"]), np.asarray(inp.max_new)
   # one host_step a round: its weights as one flat tuple (flattening nnx Variables costs ~1 ms a call)
   inp = dataclasses.replace(inp, params=PackedTree.pack(inp.params), dparams=PackedTree.pack(inp.dparams))
+  control = None
+  if adaptive:
+    # width 0 runs as plain decoding steps on the device, not as host rounds: its cost is a step's
+    plain_ms = _plain_step_ms(spec, inp, carry, key) if adaptive.costs is None else None
+    control = adapt.HostController(adaptive, b, k, costs, plain_ms=plain_ms)
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
     if control is not None:   # a later run may back off to plain rounds where the warm-up's few tokens did not
@@ -88,7 +129,8 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   draft_seconds = 0.0
   while not done.all():
     t0 = time.perf_counter()
-    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done)
+    remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
+    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done, remaining)
     if control is not None and not asked.any():
       carry, done = _plain_segment(spec, inp, carry, control, histories)
       drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
@@ -103,10 +145,13 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     n_acc, dlen, new_tokens, n_new, done = jax.device_get(out)      # one wait for all five
     if control is not None:
       control.observe(dlen, n_acc, live)
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     drafter.accept(n_acc, verified=dlen > 0)   # a draft cut by n_min was not rejected, just not verified
     for i in range(b):
       histories[i].extend(new_tokens[i, : n_new[i]].tolist())
-    draft_seconds += time.perf_counter() - t0
+    t2 = time.perf_counter()
+    draft_seconds += t2 - t1
+    if control is not None:
+      control.observe_cost(width, (t2 - t0) * 1e3)
   drafter.end(histories)        # e.g. the suffix drafter's global tree learns the final tokens
   return carry, draft_seconds, None if control is None else control.record()

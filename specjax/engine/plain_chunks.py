@@ -7,8 +7,9 @@ the drafter's commit. `plain_chunks`
 runs such a stretch as plain decoding steps that keep the target's taps (the hidden states a
 drafter conditions on) and catches the drafter up once per chunk of up to W+1 steps (W: the
 drafter's round width, a tree's depth or a chain's K) as one round whose draft was the chunk's
-tokens, all accepted: the drafter proposes before the chunk (a tree at budget 0; a chain in full,
-its draft unused), and commits after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as
+tokens, all accepted: before the chunk the drafter does what its commit needs of a propose
+(`begin_chunk`: a tree at budget 0; MTP / EAGLE-3 the committed root entry; DFlash the anchor's
+position), and commits after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as
 the verified tokens, m - 1 of them accepted and x_m (the new `last`) the bonus token. That is a
 round the drafter's commit takes (W+1 verified tokens), and for drafters whose commit reads the
 verified tokens and taps only (`chunk_commit`) it leaves the drafter where m width-0 rounds would:
@@ -59,10 +60,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
     state = parallel.constrain_state(carry.state)            # under a mesh the loop state keeps its layout
     dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
     ctx = draft_context(spec, inp, state)
-    if drafter.proposes_tree:
-      _, dstate = drafter.propose_budget(inp.dparams, dstate, ctx, 0)
-    else:                                     # what commit needs of a propose (its draft is not verified)
-      _, dstate = drafter.propose(inp.dparams, dstate, ctx)
+    dstate = drafter.begin_chunk(inp.dparams, dstate, ctx)     # what commit needs of a propose, no draft
     bufs = dict(tokens=jnp.zeros((b, chunk), jnp.int32), prenorm=zeros_like_taps(taps_shape["prenorm"]),
                 layers=tuple(zeros_like_taps(s) for s in taps_shape["layers"]))
 
