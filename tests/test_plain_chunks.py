@@ -100,3 +100,42 @@ def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, target, tmp_p
   at_zero = sum(n for w, n in rec["segments"] if w == 0)
   assert sum(n for _, n in rec["segments"]) == max(res.stats.per_seq_rounds), rec
   assert at_zero >= max(res.stats.per_seq_rounds) / 2 and any(w == 3 for w, _ in rec["segments"]), rec
+
+
+def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target, tmp_path):
+  """The server's `run_rounds` at width 0 with a chunk-committing drafter (MTP; it runs plain chunks
+  there): over every slot and over two gathered slots, the tokens, per-round counts (one token a
+  round) and the drafter's next full-width draft are those of the same number of width-0 rounds,
+  and the tokens plain decoding's (greedy)."""
+  from specjax.engine.decode import generate_plain
+  from specjax.serve import slot_programs as programs
+  spec = speculator_spec.get("mtp")
+  d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
+  b, m, rounds_max = len(PROMPTS), 9, 12
+  toks, lens = pad_prompts(PROMPTS)
+  dp = {k: jnp.asarray(a) for k, a in DraftParams(n_max=3).arrays(b, 3).items()}
+  inp = RoundInputs(params=target.params, dparams=d.params(), sampling=SamplingParams.make(b), dp=dp,
+                    stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
+  full, zero = RoundSpec(cfg=target.cfg, drafter=d), RoundSpec(cfg=target.cfg, drafter=d, width=0)
+  fresh = lambda: prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64, history_len=64)
+  want, _ = jax.jit(functools.partial(rounds_at, zero))(inp, m, fresh())
+  propose = jax.jit(lambda st, ds: d.propose(inp.dparams, ds, draft_context(full, inp, st))[0].tokens)
+  plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=m + 1).tokens
+  carry = fresh()
+  state, dstate, new, counts, done, ran, _ = programs.run_rounds(
+      zero, target.params, inp.dparams, carry.state, carry.dstate, None, inp.sampling, dp, inp.stop_ids, inp.max_new,
+      jnp.int32(m), rounds_max=rounds_max)
+  assert int(ran) == m and np.asarray(counts)[0].tolist() == [[1] * b] * m + [[0] * b] * (rounds_max - m)
+  assert np.array_equal(state.history, want.state.history) and np.array_equal(state.cache.lengths,
+                                                                              want.state.cache.lengths)
+  assert [list(r[:m]) for r in np.asarray(new)] == [p[1:] for p in plain]
+  assert np.array_equal(propose(state, dstate), propose(want.state, want.dstate))
+  rows = jnp.asarray([2, 0], jnp.int32)                        # two slots gathered, advanced and written back
+  carry = fresh()
+  masks = (programs.slot_leaves(carry.state, jax.tree_util.tree_map(lambda x: x[:1], carry.state)),
+           programs.slot_leaves(carry.dstate, jax.tree_util.tree_map(lambda x: x[:1], carry.dstate)))
+  state, dstate, new, counts, done, ran, _ = programs.run_rounds(
+      zero, target.params, inp.dparams, carry.state, carry.dstate, rows, inp.sampling, dp, inp.stop_ids, inp.max_new,
+      jnp.int32(m), rounds_max=rounds_max, masks=masks)
+  assert [list(r[:m]) for r in np.asarray(new)] == [plain[2][1:], plain[0][1:]]
+  assert np.array_equal(propose(state, dstate)[np.asarray(rows)], propose(want.state, want.dstate)[np.asarray(rows)])

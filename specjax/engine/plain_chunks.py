@@ -40,10 +40,11 @@ def supports(spec: RoundSpec) -> bool:
           and (d.budgeted or not d.proposes_tree))
 
 
-def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tuple[Carry, jax.Array, jax.Array]:
+def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0):
   """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
   chunks of up to W+1, the drafter caught up after each. -> (carry, rounds each sequence was live
-  in [B], rounds run [])."""
+  in [B], rounds run []), and with `log_rounds` > 0 (static; `rounds` <= it) the tokens each step
+  emitted [log_rounds, B] (a server's per-round counts)."""
   drafter = spec.drafter
   chunk = commit_width(spec)
   b = carry.state.last.shape[0]
@@ -55,7 +56,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
     return jnp.zeros((b, chunk) + s.shape[2:], s.dtype)
 
   def chunk_body(c):
-    carry, live_rounds, ran = c
+    carry, live_rounds, ran, log = c
     n = jnp.minimum(rounds - ran, chunk)
     state = parallel.constrain_state(carry.state)            # under a mesh the loop state keeps its layout
     dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
@@ -65,7 +66,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
                 layers=tuple(zeros_like_taps(s) for s in taps_shape["layers"]))
 
     def step(s):
-      state, stats, bufs, steps, i = s
+      state, stats, bufs, steps, i, log = s
       live = ~state.done
       put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i, axis=1)
       tokens = put(bufs["tokens"], state.last[:, None])                             # the step's input
@@ -74,15 +75,19 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry) -> tup
                   layers=tuple(put(x, h) for x, h in zip(bufs["layers"], tapped["layers"])))
       zeros = jnp.zeros_like(n_out)
       stats = stats.update(zeros, zeros, live, n_out, n_verified=zeros)
-      return state, stats, bufs, steps + live.astype(jnp.int32), i + 1
+      if log_rounds:
+        log = log.at[jnp.minimum(ran + i, log_rounds - 1)].set(n_out.astype(jnp.int32))
+      return state, stats, bufs, steps + live.astype(jnp.int32), i + 1, log
 
-    state, stats, bufs, steps, i = jax.lax.while_loop(
+    state, stats, bufs, steps, i, log = jax.lax.while_loop(
         lambda s: (s[4] < n) & ~jnp.all(s[0].done), step,
-        (state, carry.stats, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+        (state, carry.stats, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0), log))
     result = RoundResult(n_accepted=jnp.maximum(steps - 1, 0), next_token=state.last, verified=bufs["tokens"],
                          prenorm=bufs["prenorm"], layer_taps=bufs["layers"], live=steps > 0)
     dstate = drafter.commit(inp.dparams, dstate, result)
-    return Carry(state=state, dstate=dstate, stats=stats), live_rounds + steps, ran + i
+    return Carry(state=state, dstate=dstate, stats=stats), live_rounds + steps, ran + i, log
 
-  return jax.lax.while_loop(lambda c: (c[2] < rounds) & ~jnp.all(c[0].state.done), chunk_body,
-                            (carry, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+  log = jnp.zeros((max(log_rounds, 1), b), jnp.int32)
+  carry, live_rounds, ran, log = jax.lax.while_loop(lambda c: (c[2] < rounds) & ~jnp.all(c[0].state.done), chunk_body,
+                                                    (carry, jnp.zeros((b,), jnp.int32), jnp.int32(0), log))
+  return (carry, live_rounds, ran, log) if log_rounds else (carry, live_rounds, ran)

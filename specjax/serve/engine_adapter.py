@@ -23,7 +23,9 @@ With adaptive drafting (`adaptive_slots.SlotWidthController` for chains,
 `adaptive_tree_slots.SlotBudgetController` for trees: node budgets) every call runs at the width the
 controller plans: one compiled round per width of `AdaptiveConfig.widths_for(K)`, width 0 being
 the plain decoding step for plain-compatible drafters (`commit_free` device drafters, host
-drafters) and a round that verifies no draft, but keeps the drafter's state current, for the others.
+drafters), plain decoding steps with the drafter caught up once per chunk for drafters whose commit
+takes them (`chunk_commit`: `engine.plain_chunks`), and a round that verifies no draft, but keeps
+the drafter's state current, for the others.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Draft
-from specjax.engine import Carry, RoundInputs, run_round
+from specjax.engine import Carry, RoundInputs, plain_chunks, run_round
 from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
@@ -177,10 +177,19 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
     return r + 1, state, dstate, counts.at[:, r].set(n.astype(jnp.int32)), path_ranks.at[r].set(rank)
 
   before = state.hist_len
-  start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, b), jnp.int32),
-           jnp.full((rounds_max, b, depth), PAST_PATH, jnp.int32))
-  ran, state, dstate, counts, path_ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done), body,
-                                                         start)
+  path_ranks = jnp.full((rounds_max, b, depth), PAST_PATH, jnp.int32)
+  if host is None and plain_chunks.supports(spec):
+    # width 0 of a drafter whose commit takes chunks: plain decoding steps, the drafter caught up per
+    # chunk (`engine.plain_chunks`), instead of rounds that draft and drop
+    carry = Carry(state=state, dstate=dstate, stats=RoundStats.zeros(b, width))
+    carry, _, ran, emitted = plain_chunks.plain_chunks(spec, inp, jnp.minimum(n_rounds, rounds_max), carry,
+                                                       log_rounds=rounds_max)
+    state, dstate = carry.state, carry.dstate
+    counts = jnp.stack([emitted, jnp.zeros_like(emitted), jnp.zeros_like(emitted)])   # [3, rounds_max, b]
+  else:
+    start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, b), jnp.int32), path_ranks)
+    ran, state, dstate, counts, path_ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done),
+                                                                body, start)
   new, done = new_tokens(before, state, rounds_max * (width + 1)), state.done
   if rows is not None:
     state = scatter_rows(full_state, rows, state, masks[0], shared_from_sub=True)
