@@ -63,7 +63,7 @@ def test_host_width_finishes_the_static_batch_soonest_at_learned_costs():
   """A static batch runs until its slowest sequence is done: with one sequence drafting well and one
   with nothing to draft (cap 0), drafting maximizes tokens per ms but finishes no sooner, so the host
   loop's rule (`choose_width_finish`) stays at width 0, and drafts once the sequence without drafts
-  is nearly done. Round costs start at their priors (width 0 at the plain step's cost), a host round
+  is nearly done; a drafting width must predict a clear gain (`with_margin`). Round costs start at their priors (width 0 at the plain step's cost), a host round
   run replaces its width's prior and scales the unseen widths by its measured / prior ratio; costs a
   config gives stay as given."""
   rates, live, costs = 0.9 ** np.arange(1, K + 1), np.ones(2, bool), np.asarray([1.0, 1.5, 2.0])
@@ -71,13 +71,18 @@ def test_host_width_finishes_the_static_batch_soonest_at_learned_costs():
   assert WIDTHS[adapt.choose_width_np(rates, caps, live, WIDTHS, costs)] == 4
   assert WIDTHS[adapt.choose_width_finish(rates, caps, live, [10, 10], WIDTHS, costs)] == 0
   assert WIDTHS[adapt.choose_width_finish(rates, caps, live, [10, 2], WIDTHS, costs)] == 4
-  rc = adapt.RoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, plain_ms=0.5)
+  # a margin: drafting predicted to finish 5 % sooner (tau 2.1 at twice the cost) is not worth it at 10 %
+  even = np.asarray([0.5, 0.3, 0.2, 0.1])
+  assert WIDTHS[adapt.choose_width_finish(even, [K, K], live, [10, 10], WIDTHS, [1.0, 1.9, 2.0])] == 4
+  assert WIDTHS[adapt.choose_width_finish(even, [K, K], live, [10, 10], WIDTHS,
+                                          adapt.with_margin(np.asarray([1.0, 1.9, 2.0]), WIDTHS, 0.1))] == 0
+  rc = adapt.HostRoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, plain_ms=0.5)
   assert rc.costs.tolist() == pytest.approx([0.5, 2.2, 2.4])
   rc.observe(2, 4.4)                           # a host round at width 2: twice its forward-only prior
   assert rc.costs.tolist() == pytest.approx([0.5, 4.4, 2.4 * 1.5])
   rc.observe(0, 12.0, rounds=8)                # a plain segment: 1.5 ms a step
   assert rc.costs[0] == pytest.approx(1.0)
-  fixed = adapt.RoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, learn=False)
+  fixed = adapt.HostRoundCosts(WIDTHS, prior=[2.0, 2.2, 2.4], decay=0.5, learn=False)
   fixed.observe(2, 9.0)
   assert fixed.costs.tolist() == pytest.approx([2.0, 2.2, 2.4])
 
@@ -118,7 +123,7 @@ def test_adaptive_greedy_is_lossless(tiny_llama, costs):
   costs the device loop prunes every narrower width and is the fixed loop at the widest."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
-  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3)   # several segments per run
+  ac = adapt.AdaptiveConfig(widths=WIDTHS, costs=costs, segment_rounds=3, margin=0.0)   # segments; the rule alone
   drafters = [DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=1)),
               NgramSimple(size_n=1, size_m=K),
               NgramSimpleDevice(size_n=1, size_m=K)]    # commit-free: width-0 segments are plain decode steps

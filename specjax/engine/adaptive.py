@@ -91,6 +91,9 @@ class AdaptiveConfig:
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
   backoff_segments: int = 2       # device loop, replayed drafters: at most this many segments run as one
                                   # at width 0 (other drafters run width 0 up to their next exploring segment)
+  margin: float = 0.1             # a drafting width is chosen over width 0 (plain decoding) only if it predicts
+                                  # finishing at least this fraction sooner: what the estimates leave out (a
+                                  # segment's own cost, the acceptance's noise) falls on drafting, never on plain
   tie: float = 0.0                # device loop: widths whose predicted time is within this fraction of the best
                                   # tie, and the widest of them is chosen; a width is pruned when a wider one
                                   # costs at most (1 + tie) times as much per round (`prune_widths`). Exact
@@ -282,6 +285,13 @@ def _forward_logits(params, tokens, state, *, target, cfg):
   return jnp.argmax(logits, axis=-1)     # what verification reads; keeps the LM head live
 
 
+def with_margin(costs, widths: tuple[int, ...], margin: float):
+  """costs [W] with every drafting width's raised by the fraction `margin` (width 0 as it is), so a
+  width-choice rule picks drafting only where it predicts that much gain. numpy or jax arrays."""
+  xp = _xp(costs)
+  return costs * xp.where(xp.asarray(widths) > 0, 1.0 + margin, 1.0).astype(costs.dtype)
+
+
 def choose_width_finish(rates, caps, live, remaining, widths: tuple[int, ...], costs) -> int:
   """Index into widths of the width that finishes a static batch soonest (the host loop's form of
   `choose_width_device`): sequence i drafts min(w, caps_i) tokens, position j accepted with
@@ -295,7 +305,7 @@ def choose_width_finish(rates, caps, live, remaining, widths: tuple[int, ...], c
   return int(np.argmin(np.asarray(costs, np.float64) * need))
 
 
-class RoundCosts:
+class HostRoundCosts:
   """The host loop's ms per round at each width, learned from the rounds it runs: a host round
   (the host's draft, one device call, the wait) at its verification width, and width 0 as plain
   decoding steps on the device (a plain segment's ms per step). Starts from `prior` (the
@@ -316,6 +326,8 @@ class RoundCosts:
       return
     i = self.widths.index(width)
     per = ms / max(rounds, 1)
+    if self.seen[i]:
+      per = min(per, 4.0 * self.ms[i])      # a round held up by the host (a collection, a page fault) says little
     self.ms[i] = per if not self.seen[i] else self.decay * self.ms[i] + (1 - self.decay) * per
     self.seen[i] = True
     if width > 0:
@@ -332,13 +344,13 @@ class HostController:
   `explore_every` x `segment_rounds` rounds, run at the widest width. Given the sequences'
   `remaining` tokens it chooses the width that finishes the batch soonest (a static batch waits
   for its slowest sequence), else the one with the most tokens per ms; costs per width are
-  learned from the rounds run (`RoundCosts`; width 0 at `plain_ms`, a plain decoding step, when
+  learned from the rounds run (`HostRoundCosts`; width 0 at `plain_ms`, a plain decoding step, when
   given: such rounds run on the device in one call)."""
 
   def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray, plain_ms: float | None = None):
     self.ac, self.widths = ac, ac.widths_for(k)
     # costs the config gives are kept as given; otherwise learned from the rounds run
-    self.round_costs = RoundCosts(self.widths, costs, ac.decay, plain_ms, learn=ac.costs is None)
+    self.round_costs = HostRoundCosts(self.widths, costs, ac.decay, plain_ms, learn=ac.costs is None)
     self.state = AdaptiveState.init(batch, ac, np)
     self.rates = PositionRates(k, ac)
     self.asked = np.zeros(batch, np.int64)
@@ -351,7 +363,7 @@ class HostController:
 
   @costs.setter
   def costs(self, value) -> None:      # fixed costs (tests, `AdaptiveConfig.costs`)
-    self.round_costs = RoundCosts(self.widths, value, self.ac.decay, learn=False)
+    self.round_costs = HostRoundCosts(self.widths, value, self.ac.decay, learn=False)
 
   def lengths(self, n_max: np.ndarray, live: np.ndarray, remaining: np.ndarray | None = None) -> np.ndarray:
     caps = longest_useful(self.state.alpha, n_max, self.ac.reach_min)
@@ -359,8 +371,9 @@ class HostController:
       w = self.widths[-1]
     else:
       rates = self.rates.optimistic(self.ac.optimism)
-      w = self.widths[choose_width_np(rates, caps, live, self.widths, self.costs) if remaining is None else
-                      choose_width_finish(rates, caps, live, remaining, self.widths, self.costs)]
+      costs = with_margin(self.costs, self.widths, self.ac.margin)
+      w = self.widths[choose_width_np(rates, caps, live, self.widths, costs) if remaining is None else
+                      choose_width_finish(rates, caps, live, remaining, self.widths, costs)]
     self.round += 1
     self.chosen.append(int(w))
     self.asked = np.where(live, np.minimum(w, caps), 0)

@@ -76,6 +76,7 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
   segments' tokens)."""
   live = ~carry.state.done
   remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
+  costs = adapt.with_margin(costs, widths, ac.margin)                            # drafting must predict a clear gain
   to_explore = ac.explore_every - ctl.segment % ac.explore_every              # segments up to the next exploring one
   if spec.drafter.replayable:
     tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
