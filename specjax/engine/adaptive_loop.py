@@ -242,7 +242,7 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
     carry = device_loop(spec, inp, carry)
     return carry, {**record, "segments": [[int(kept[0]), int(jnp.max(carry.stats.rounds))]], "n_segments": 1,
                    "replayed_tau": None}
-  keep = tuple(widths.index(w) for w in kept)
+  keep = None if kept == widths else tuple(widths.index(w) for w in kept)   # None: the program timing compiled
   carry, probe = adaptive_run(spec, inp, carry, jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1),
                               jnp.int32(2 ** 30), ac=ac, keep=keep)
   log_w, log_r, n_seg, _, tau = jax.device_get(probe)
