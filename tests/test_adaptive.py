@@ -339,7 +339,7 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   draft, so the rounds between exploring rounds run as plain decoding steps in one device call.
   Sampled output (T = 1) identical token for token to plain decoding's with the same seed (the
   same forward, sampler, key stream and emission), and no host-drafted round at all: the only
-  device calls are one per segment of explore_every x segment_rounds rounds."""
+  device calls are one per shadow segment (a quarter of shadow_rounds, then shadow_rounds)."""
   host_loop_module = importlib.import_module("specjax.engine.host_loop")
   cfg, params = tiny_llama
   sampling = lambda: SamplingParams.make(len(PROMPTS3), temperature=1.0, seed=11)
@@ -357,7 +357,8 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   assert res.tokens == plain
   rounds = max(res.stats.per_seq_rounds)
   assert res.stats.gen_tokens == 0 and res.stats.adaptive["segments"] == [[0, rounds]], res.stats.adaptive
-  assert calls == {"host_step": 0, "plain_rounds": -(-rounds // 10)}, (calls, rounds)
+  first = max(ac.shadow_rounds // 4, 1)
+  assert calls == {"host_step": 0, "plain_rounds": 1 + -(-max(rounds - first, 0) // ac.shadow_rounds)}, (calls, rounds)
 
 
 def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
@@ -366,7 +367,7 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   (drafting at 50x the cost), compiles nothing, and its output equals plain decoding's."""
   from specjax.engine.loops import plain_rounds
   cfg, params = tiny_llama
-  ac = adapt.AdaptiveConfig(widths=(0, 2), costs=(1.0, 50.0), segment_rounds=2, explore_rounds=4)
+  ac = adapt.AdaptiveConfig(widths=(0, 2), costs=(1.0, 50.0), segment_rounds=2, explore_rounds=4, shadow_rounds=0)
   kw = dict(capacity=128, adaptive=ac)
   warm = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2,
                               warm_widths=True, **kw)
@@ -377,9 +378,9 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   assert any(w == 0 for w, _ in res.stats.adaptive["segments"]), res.stats.adaptive
   assert plain_rounds._cache_size() == compiled
   # costs learned (no config costs): the warm-up times the plain step once for the shape, with its
-  # token budget lifted on copies; the timed run reuses it and learns the host rounds' costs
+  # token budget lifted on copies; the timed run reuses it, width 0 priced as plain steps
   host_loop_module = importlib.import_module("specjax.engine.host_loop")
-  learned = dict(capacity=128, adaptive=dataclasses.replace(ac, costs=None))
+  learned = dict(capacity=128, adaptive=dataclasses.replace(ac, costs=None, shadow_rounds=32))
   timed_before = len(host_loop_module._PLAIN_MS)
   speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2, warm_widths=True,
                        **learned)
@@ -388,7 +389,23 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   assert len(host_loop_module._PLAIN_MS) == timed_before + 1 and plain_rounds._cache_size() == compiled
   assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   rec = res.stats.adaptive
-  assert rec["costs_ms"][1] != pytest.approx(rec["prior_ms"][1]), rec      # width 2's host rounds were timed
+  assert rec["costs_ms"][0] != pytest.approx(rec["prior_ms"][0]), rec      # not the forward calibration's
+
+
+def test_host_loop_explores_with_shadow_drafts(tiny_llama):
+  """Host loop, batch 1, a host round at width 4 costing 3.5 plain steps: the prior acceptance says
+  plain decoding, so the first rounds run as a plain segment, with a draft proposed before it and
+  compared with the tokens it makes (never verified); the answer repeats, the shadow drafts match,
+  and the controller turns to drafting. Greedy output equal to plain decoding's."""
+  cfg, params = tiny_llama
+  prompt = [PROMPTS3[0]]
+  ac = adapt.AdaptiveConfig(widths=(0, K), costs=(1.0, 3.5), shadow_rounds=8)
+  res = speculative_generate(params, cfg, prompt, NgramSimple(size_n=1, size_m=K), max_new_tokens=2 * MAX_NEW,
+                             adaptive=ac)
+  assert res.tokens == generate_plain(params, cfg, prompt, max_new_tokens=2 * MAX_NEW).tokens
+  segs = res.stats.adaptive["segments"]
+  assert segs[0][0] == 0 and any(w == K for w, _ in segs[1:]), segs          # plain first, then drafting
+  assert res.stats.acc_tokens > 0, res.stats.format()
 
 
 def test_rounds_without_drafts_count_against_drafting(tiny_llama):

@@ -89,6 +89,10 @@ class AdaptiveConfig:
   explore_rounds: int = 4         # rounds at the widest width that refresh the estimates of every position:
                                   # the first segment, then one every `explore_every` segments
   explore_every: int = 8          # (host loop: every explore_every x segment_rounds rounds)
+  shadow_rounds: int = 32         # host loop: plain segments of at most this many rounds, each after a draft
+                                  # that is not verified but compared with the tokens the segment makes (the
+                                  # host loop's exploration; the first segment a quarter as long); 0: off,
+                                  # the host loop explores with rounds at the widest width instead
   backoff_segments: int = 2       # device loop, replayed drafters: at most this many segments run as one
                                   # at width 0 (other drafters run width 0 up to their next exploring segment)
   margin: float = 0.1             # a drafting width is chosen over width 0 (plain decoding) only if it predicts
@@ -347,8 +351,10 @@ class HostController:
   learned from the rounds run (`HostRoundCosts`; width 0 at `plain_ms`, a plain decoding step, when
   given: such rounds run on the device in one call)."""
 
-  def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray, plain_ms: float | None = None):
+  def __init__(self, ac: AdaptiveConfig, batch: int, k: int, costs: np.ndarray, plain_ms: float | None = None,
+               shadow: bool = False):
     self.ac, self.widths = ac, ac.widths_for(k)
+    self.shadow = shadow and ac.shadow_rounds > 0     # explore with shadow drafts, not rounds at the widest width
     # costs the config gives are kept as given; otherwise learned from the rounds run
     self.round_costs = HostRoundCosts(self.widths, costs, ac.decay, plain_ms, learn=ac.costs is None)
     self.state = AdaptiveState.init(batch, ac, np)
@@ -367,7 +373,7 @@ class HostController:
 
   def lengths(self, n_max: np.ndarray, live: np.ndarray, remaining: np.ndarray | None = None) -> np.ndarray:
     caps = longest_useful(self.state.alpha, n_max, self.ac.reach_min)
-    if self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
+    if not self.shadow and self.round % (self.ac.explore_every * self.ac.segment_rounds) < self.ac.explore_rounds:
       w = self.widths[-1]
     else:
       rates = self.rates.optimistic(self.ac.optimism)
@@ -384,8 +390,24 @@ class HostController:
     exploring round. A round without drafts adds no observation, so until then only a sequence
     finishing (fewer live rows in the choice) could change what `lengths` asks; the host loop
     runs these rounds as plain decoding steps in one device call."""
+    if self.shadow:   # a shadow draft's observation may change the choice: one segment per shadow draft
+      return max(self.ac.shadow_rounds // 4, 1) if self.round <= 1 else self.ac.shadow_rounds
     period = self.ac.explore_every * self.ac.segment_rounds
     return period - (self.round - 1) % period
+
+  def shadow_lengths(self, n_max: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """Before a plain segment: the draft lengths to ask for a shadow draft (not verified; compared
+    with the segment's tokens by `observe_shadow`): every position up to n_max, so the rates of
+    wide widths are observed too."""
+    return np.where(live, n_max, 0)
+
+  def observe_shadow(self, asked: np.ndarray, matched: np.ndarray, live: np.ndarray) -> None:
+    """A shadow draft of `asked` [B] tokens (positions the segment produced tokens for) of which the
+    first `matched` [B] equal the tokens the target made: what verifying it would have accepted
+    (greedy exactly; sampled, a point-mass draft is accepted where the target's own sample equals
+    it). Counted as a verified round's observation."""
+    self.state = update(self.state, asked, matched, live, self.ac.decay)
+    self.rates.observe_round(asked, matched, live)
 
   def ran_plain(self, rounds: int) -> None:
     """`rounds` more rounds ran at width 0 after the one `lengths` chose (a plain segment)."""

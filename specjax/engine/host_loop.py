@@ -2,10 +2,13 @@
 from Python token lists, one jitted `run_round` verifies and accepts, and the accepted tokens go
 back to the drafter. Verification widths are powers of two up to K, so few programs compile.
 
-Under adaptive drafting, when the controller asks no sequence for a draft, the rounds up to its
-next exploring round run as plain decoding steps in one device call (`loops.plain_rounds`): a
-host round costs a device call and a wait, several times a decoding step for a small model, so
-backing off round by round would not back off to plain decoding's speed."""
+Under adaptive drafting, when the controller asks no sequence for a draft, the next rounds run as
+plain decoding steps in one device call (`loops.plain_rounds`): a host round costs a device call
+and a wait, several times a decoding step for a small model, so backing off round by round would
+not back off to plain decoding's speed. The host loop explores with shadow drafts: before each
+plain segment (`AdaptiveConfig.shadow_rounds` rounds) the drafter proposes as for a round, and
+its draft, never verified, is compared with the tokens the segment makes, so the controller
+learns what drafting would accept without paying a host round for it."""
 
 from __future__ import annotations
 
@@ -55,17 +58,28 @@ def _warm_widths(spec, inp, carry, k, n_max):
     width *= 2
 
 
-def _plain_segment(spec, inp, carry, control, histories):
-  """The rounds up to the controller's next exploring round as plain decoding steps, one device
-  call; the new tokens go onto `histories`, the segment's ms per step to the controller's costs.
+def _plain_segment(spec, inp, carry, control, histories, shadow=None):
+  """The rounds up to the controller's next exploring round (with shadow drafts: one shadow
+  segment) as plain decoding steps, one device call; the new tokens go onto `histories`, the
+  segment's ms per step to the controller's costs, and a shadow draft (tokens [B, K], lengths [B],
+  asked before the segment) compared with the tokens the segment made to its observations.
   -> (carry, done [B])."""
   t0 = time.perf_counter()
+  live = ~np.asarray(carry.state.done) if shadow is not None else None
   carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))
   history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
   control.observe_cost(0, (time.perf_counter() - t0) * 1e3, int(ran))
   control.ran_plain(int(ran) - 1)
+  new = []
   for i, h in enumerate(histories):
-    h.extend(history[i, len(h): hist_len[i]].tolist())
+    new.append(history[i, len(h): hist_len[i]].tolist())
+    h.extend(new[-1])
+  if shadow is not None:
+    tokens, lengths = shadow
+    asked = np.asarray([min(int(lengths[i]), len(new[i])) for i in range(len(new))])
+    matched = np.asarray([next((j for j in range(asked[i]) if int(tokens[i, j]) != new[i][j]), asked[i])
+                          for i in range(len(new))])
+    control.observe_shadow(asked, matched, live & (asked > 0))
   return carry, done
 
 
@@ -117,7 +131,7 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   if adaptive:
     # width 0 runs as plain decoding steps on the device, not as host rounds: its cost is a step's
     plain_ms = _plain_step_ms(spec, inp, carry, key) if adaptive.costs is None else None
-    control = adapt.HostController(adaptive, b, k, costs, plain_ms=plain_ms)
+    control = adapt.HostController(adaptive, b, k, costs, plain_ms=plain_ms, shadow=True)
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
     if control is not None:   # a later run may back off to plain rounds where the warm-up's few tokens did not
@@ -132,7 +146,12 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done, remaining)
     if control is not None and not asked.any():
-      carry, done = _plain_segment(spec, inp, carry, control, histories)
+      shadow = None
+      if control.shadow:     # a draft not verified: compared with what the segment makes
+        s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, ~done))
+        shadow = np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
+      draft_seconds += time.perf_counter() - t0
+      carry, done = _plain_segment(spec, inp, carry, control, histories, shadow)
       drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
       continue
     d_tok, d_len, _ = drafter.propose(histories, asked)
