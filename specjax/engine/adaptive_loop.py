@@ -76,24 +76,24 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
   segments' tokens)."""
   live = ~carry.state.done
   remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
-  costs = adapt.with_margin(costs, widths, ac.margin)                            # drafting must predict a clear gain
   to_explore = ac.explore_every - ctl.segment % ac.explore_every              # segments up to the next exploring one
+  explore = ctl.segment % ac.explore_every == 0         # the first segment, then every explore_every-th
   if spec.drafter.replayable:
     tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
     rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
     wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
     span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)),
                        min(ac.backoff_segments, spec.drafter.max_draft + 1))
+    explore = ctl.segment == 0                          # replayed drafters explore nothing; the first segment is short
   elif spec.proposes_tree:
     wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac)
     span = to_explore
   else:
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
-    explore = ctl.segment % ac.explore_every == 0
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
     span = to_explore
-  backoff = (widths[0] == 0) & (wi == 0) & (rounds == ac.segment_rounds)     # not an exploring segment
+  backoff = (widths[0] == 0) & (wi == 0) & ~explore
   span = jnp.where(backoff, jnp.maximum(span, 1), 1).astype(jnp.int32)
   rounds = rounds * span
   wi = jnp.where(force >= 0, force, wi).astype(jnp.int32)
@@ -152,10 +152,11 @@ def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, 
   -> (carry, (log_width, log_rounds, segments, rounds, replayed tau [W]))."""
   widths = widths_of(spec, ac, keep)
   specs = [dataclasses.replace(spec, width=w) for w in widths]
+  choice_costs = adapt.with_margin(costs, widths, ac.margin)      # drafting must predict a clear gain
 
   def body(c):
     carry, ctl = c
-    wi, rounds, span = _choose(spec, ac, carry, ctl, inp, costs, widths, force, max_rounds)
+    wi, rounds, span = _choose(spec, ac, carry, ctl, inp, choice_costs, widths, force, max_rounds)
     after, ctl, ran = _segment(specs, ac, inp, carry, ctl, widths, wi, rounds)
     return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran, span, inp.dp["n_max"])
 
