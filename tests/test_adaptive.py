@@ -198,20 +198,23 @@ def test_warm_run_compiles_every_width_so_timed_runs_compile_nothing(tiny_llama)
 
 
 def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
-  """The device loop's warm-up times whole rounds at every width and caches them for this shape
-  (one positive ms per round per width, kept as timed), so the timed run's controller uses them
-  (on the widths they do not prune); generation stays lossless."""
+  """The device loop's warm-up times whole rounds at every width and caches them for this shape and
+  drafter (one positive ms per round per width, kept as timed), so the timed run's controller uses
+  them (on the widths they do not prune); a second drafter with the same widths is timed on its own
+  (its rounds cost what its drafting costs: the costs were once shared by every chain drafter of a
+  shape, so an MTP head ran on an n-gram drafter's timings); generation stays lossless."""
   cfg, params = tiny_llama
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), segment_rounds=3)
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
-  key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K))
-  adapt._COSTS.pop(key, None)
-  adapt.TIMED.discard(key)
+  key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K), drafter=drafter)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
-  assert measured.shape == (4,) and np.all(measured > 0)
-  assert adapt.calibrate(params, cfg, len(PROMPTS3), 128, ac.widths_for(K)) is measured
+  assert key in adapt.TIMED and measured.shape == (4,) and np.all(measured > 0)
+  other = NgramSimpleDevice(size_n=1, size_m=K)
+  speculative_generate(params, cfg, PROMPTS3, other, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
+  other_key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K), drafter=other)
+  assert other_key in adapt.TIMED and adapt._COSTS[key] is measured and adapt._COSTS[other_key] is not measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain
   rec = res.stats.adaptive   # the controller ran on the warm-up's timings, less the widths they prune

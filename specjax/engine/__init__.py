@@ -63,7 +63,7 @@ def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, w
     return device_loop(spec, inp, carry), None
   b = tokens.shape[0]
   key = adapt.cost_key(inp.params, spec.cfg, b, cap, adaptive.widths_for(spec.drafter.max_draft, tree=spec.proposes_tree),
-                       drafter=spec.drafter if spec.proposes_tree else None)
+                       drafter=spec.drafter)
   return adaptive_loop(spec, inp, carry, ac=adaptive, costs=costs, warm=warm_widths, cost_key=key)
 
 

@@ -226,8 +226,9 @@ _COSTS: dict = {}
 
 
 def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], drafter=None) -> tuple:
-  """What timed costs are cached under. `drafter` (trees pass theirs: a tree's drafting is much of a
-  small budget's round, and trees share their budget ladders) keys them per drafter too."""
+  """What timed costs are cached under. `drafter` (the device loop passes its drafter: a round's
+  drafting is part of its cost, an MTP head's three steps are not an n-gram lookup's, and drafters
+  share width ladders) keys them per drafter too; without it, the forward-only calibration's key."""
   dtype = jax.tree_util.tree_leaves(params)[0].dtype
   return (cfg, batch, capacity, widths, str(dtype), jax.default_backend()) + ((drafter,) if drafter is not None else ())
 

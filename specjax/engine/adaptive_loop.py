@@ -189,8 +189,8 @@ def measure_round_costs(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, 
     c = jax.tree_util.tree_map(jnp.copy, carry)
     jax.block_until_ready(c)
     t0 = time.perf_counter()
-    _, probe = adaptive_run(spec, lifted, c, costs0, jnp.int32(i), jnp.int32(rounds), ac=ac)
-    ran = int(probe[3])     # waits for the run
+    out = jax.block_until_ready(adaptive_run(spec, lifted, c, costs0, jnp.int32(i), jnp.int32(rounds), ac=ac))
+    ran = int(out[1][3])    # (the whole output waited for: on the CPU a scalar output may be ready first)
     return (time.perf_counter() - t0) * 1e3, ran
 
   run(len(widths) - 1, min(long, 1) if timed else 0)   # compile (+ first launch)
