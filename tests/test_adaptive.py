@@ -364,6 +364,42 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   assert calls == {"host_step": 0, "plain_rounds": 1 + -(-max(rounds - first, 0) // ac.shadow_rounds)}, (calls, rounds)
 
 
+def test_host_drafting_overlaps_the_plain_segment_on_the_device(tiny_llama, monkeypatch):
+  """Host loop with shadow drafts: each plain segment is dispatched before the host drafts its
+  shadow draft, and the drafter's request begins (a suffix drafter's tries built) after the first
+  segment is dispatched, so the host's work overlaps the device's steps instead of adding to
+  them; the shadow draft is still the one from the tokens before the segment (it keeps matching,
+  and the controller turns to drafting) and the greedy output is plain decoding's."""
+  host_loop_module = importlib.import_module("specjax.engine.host_loop")
+  cfg, params = tiny_llama
+  events = []
+  real_plain = host_loop_module.plain_rounds
+
+  def dispatched(*a, **kw):
+    events.append("dispatch")
+    return real_plain(*a, **kw)
+
+  class Recorded(NgramSimple):
+    def begin(self, prompts):
+      events.append("begin")
+      super().begin(prompts)
+
+    def propose(self, histories, n_max):
+      events.append(("propose", tuple(len(h) for h in histories)))
+      return super().propose(histories, n_max)
+
+  monkeypatch.setattr(host_loop_module, "plain_rounds", dispatched)
+  prompt = [PROMPTS3[0]]
+  ac = adapt.AdaptiveConfig(widths=(0, K), costs=(1.0, 3.5), shadow_rounds=8)
+  res = speculative_generate(params, cfg, prompt, Recorded(size_n=1, size_m=K), max_new_tokens=2 * MAX_NEW, adaptive=ac)
+  assert res.tokens == generate_plain(params, cfg, prompt, max_new_tokens=2 * MAX_NEW).tokens
+  assert events[:3] == ["dispatch", "begin", ("propose", (len(prompt[0]) + 1,))], events[:4]
+  after = [e for e in events if e != "begin"]
+  assert all(after[i + 1][0] == "propose" for i, e in enumerate(after[:-1]) if e == "dispatch"), events
+  assert after.count("dispatch") >= 2                    # every segment's shadow draft after its dispatch
+  assert any(w == K for w, _ in res.stats.adaptive["segments"][1:]), res.stats.adaptive
+
+
 def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   """A benchmark's warm-up (2 tokens, inside the first exploring rounds, so it never backs off)
   compiles the host loop's plain segment too: the timed run, which backs off to plain rounds

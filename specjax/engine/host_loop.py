@@ -5,10 +5,12 @@ back to the drafter. Verification widths are powers of two up to K, so few progr
 Under adaptive drafting, when the controller asks no sequence for a draft, the next rounds run as
 plain decoding steps in one device call (`loops.plain_rounds`): a host round costs a device call
 and a wait, several times a decoding step for a small model, so backing off round by round would
-not back off to plain decoding's speed. The host loop explores with shadow drafts: before each
-plain segment (`AdaptiveConfig.shadow_rounds` rounds) the drafter proposes as for a round, and
-its draft, never verified, is compared with the tokens the segment makes, so the controller
-learns what drafting would accept without paying a host round for it."""
+not back off to plain decoding's speed. The host loop explores with shadow drafts: with each
+plain segment (`AdaptiveConfig.shadow_rounds` rounds) the drafter proposes as for a round from the
+tokens before it, while the device runs the segment, and its draft, never verified, is compared
+with the tokens the segment makes, so the controller learns what drafting would accept without
+paying a host round for it. The drafter's request begins (`begin`) at its first use, after the
+first segment is dispatched, so its setup overlaps the device too."""
 
 from __future__ import annotations
 
@@ -58,15 +60,17 @@ def _warm_widths(spec, inp, carry, k, n_max):
     width *= 2
 
 
-def _plain_segment(spec, inp, carry, control, histories, shadow=None):
+def _plain_segment(spec, inp, carry, control, histories, done, shadow=None):
   """The rounds up to the controller's next exploring round (with shadow drafts: one shadow
   segment) as plain decoding steps, one device call; the new tokens go onto `histories`, the
-  segment's ms per step to the controller's costs, and a shadow draft (tokens [B, K], lengths [B],
-  asked before the segment) compared with the tokens the segment made to its observations.
-  -> (carry, done [B])."""
+  segment's ms per step to the controller's costs. `shadow()` (-> draft tokens [B, K], lengths
+  [B]) is asked from the histories as they were before the segment but while the device runs it
+  (the host's drafting overlaps the device's steps), and its draft is compared with the tokens the
+  segment made. -> (carry, done [B])."""
   t0 = time.perf_counter()
-  live = ~np.asarray(carry.state.done) if shadow is not None else None
-  carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))
+  live = ~done
+  carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))   # dispatched, not waited for
+  drafted = shadow() if shadow is not None else None
   history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
   control.observe_cost(0, (time.perf_counter() - t0) * 1e3, int(ran))
   control.ran_plain(int(ran) - 1)
@@ -74,8 +78,8 @@ def _plain_segment(spec, inp, carry, control, histories, shadow=None):
   for i, h in enumerate(histories):
     new.append(history[i, len(h): hist_len[i]].tolist())
     h.extend(new[-1])
-  if shadow is not None:
-    tokens, lengths = shadow
+  if drafted is not None:
+    tokens, lengths = drafted
     asked = np.asarray([min(int(lengths[i]), len(new[i])) for i in range(len(new))])
     matched = np.asarray([next((j for j in range(asked[i]) if int(tokens[i, j]) != new[i][j]), asked[i])
                           for i in range(len(new))])
@@ -139,21 +143,36 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   first = np.asarray(carry.state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
   done = np.asarray(carry.state.done)
-  drafter.begin([list(p) for p in prompts])
+  begun = []
+
+  def begin():
+    """The drafter's request begins at its first use: after a plain segment is on its way, so that
+    its setup (a suffix drafter's tries of the prompts and of earlier outputs) overlaps the device."""
+    if not begun:
+      drafter.begin([list(p) for p in prompts])
+      begun.append(True)
+
   draft_seconds = 0.0
   while not done.all():
     t0 = time.perf_counter()
     remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done, remaining)
     if control is not None and not asked.any():
-      shadow = None
-      if control.shadow:     # a draft not verified: compared with what the segment makes
-        s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, ~done))
-        shadow = np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
-      draft_seconds += time.perf_counter() - t0
-      carry, done = _plain_segment(spec, inp, carry, control, histories, shadow)
+      timed = [0.0]
+
+      def shadow(live=~done):   # a draft not verified: compared with what the segment makes
+        t = time.perf_counter()
+        begin()
+        s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, live))
+        timed[0] = time.perf_counter() - t
+        return np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
+
+      carry, done = _plain_segment(spec, inp, carry, control, histories, done, shadow if control.shadow else None)
+      begin()
       drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
+      draft_seconds += timed[0]
       continue
+    begin()
     d_tok, d_len, _ = drafter.propose(histories, asked)
     draft_seconds += time.perf_counter() - t0
     d_len = np.minimum(np.asarray(d_len, np.int32), np.minimum(n_max, asked))
@@ -172,5 +191,6 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     draft_seconds += t2 - t1
     if control is not None:
       control.observe_cost(width, (t2 - t0) * 1e3)
+  begin()
   drafter.end(histories)        # e.g. the suffix drafter's global tree learns the final tokens
   return carry, draft_seconds, None if control is None else control.record()
