@@ -79,6 +79,7 @@ class NgramModDevice(DeviceDrafter):
   width: int | None = None                       # verify width K (default n_max)
   name: str = "ngram_mod"
   cross_request_memory: ClassVar[bool] = True
+  chunk_commit: ClassVar[bool] = True   # commit reads the verified count and its own last draft length only
   taps: tuple[int, ...] = ()
   _shared: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -117,15 +118,27 @@ class NgramModDevice(DeviceDrafter):
     return NgramModState(table=table, n_overwritten=n_over, i_next=stop.astype(jnp.int32),
                          n_draft_last=zeros, n_low=zeros)
 
-  def propose(self, dparams, ds: NgramModState, ctx: DraftContext):
-    n, k = self.n_match, self.max_draft
-    length = ctx.hist_len
+  def _add_pending(self, ds: NgramModState, ctx: DraftContext) -> NgramModState:
+    """The sequences' n-grams not yet in the table, added once more than `add_chunk` are pending."""
+    n, length = self.n_match, ctx.hist_len
     pending = (ds.i_next + self.add_chunk < length - 1) & (length >= n) & (ctx.n_max > 0)   # as the host
     stop = jnp.where(pending, jnp.maximum(length - n, 0), ds.i_next)
     table, n_over = jax.lax.cond(
         jnp.any(pending), lambda: _add_ngrams(ds.table, ds.n_overwritten, ctx.history, ds.i_next, stop, n),
         lambda: (ds.table, ds.n_overwritten))
-    i_next = jnp.where(pending, stop, ds.i_next)
+    return dataclasses.replace(ds, table=table, n_overwritten=n_over, i_next=jnp.where(pending, stop, ds.i_next))
+
+  def begin_chunk(self, dparams, ds: NgramModState, ctx: DraftContext) -> NgramModState:
+    """A plain chunk (adaptive width 0): the table learns the pending n-grams as a round's propose
+    would, and no draft is outstanding, so the commit counts no verified round."""
+    ds = self._add_pending(ds, ctx)
+    return dataclasses.replace(ds, n_draft_last=jnp.zeros_like(ds.n_draft_last))
+
+  def propose(self, dparams, ds: NgramModState, ctx: DraftContext):
+    n, k = self.n_match, self.max_draft
+    length = ctx.hist_len
+    ds = self._add_pending(ds, ctx)
+    table, n_over, i_next = ds.table, ds.n_overwritten, ds.i_next
     limit = jnp.minimum(jnp.minimum(ctx.n_max, self.n_max), k)                    # [B]
     cols = length[:, None] - n + jnp.arange(n)[None, :]
     key = jnp.take_along_axis(ctx.history, jnp.clip(cols, 0, ctx.history.shape[1] - 1), axis=1)   # [B, n]
