@@ -94,6 +94,21 @@ def test_greedy_lossless_with_perfect_and_useless_drafters(tiny_llama, plain3):
   _assert_lossless(params, cfg, PROMPTS3, res.tokens, plain3)
 
 
+def test_split_prefill_reports_the_prefill_share_and_changes_no_token(tiny_llama, noisy_drafter, plain3):
+  """`split_prefill` (waits for the prefill, for a time split): plain decoding, a device drafter and
+  a host drafter report a prefill time inside the call's time, and their tokens are those of the
+  unsplit calls; without it nothing is reported."""
+  from specjax.drafters.ngram_simple import NgramSimple
+  cfg, params = tiny_llama
+  plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW, split_prefill=True)
+  assert plain.tokens == plain3 and 0 < plain.prefill_seconds < plain.seconds
+  assert generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).prefill_seconds is None
+  for drafter in (noisy_drafter, NgramSimple(size_n=1, size_m=K)):
+    res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, split_prefill=True)
+    assert res.tokens == speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW).tokens
+    assert 0 < res.prefill_seconds < res.seconds, (drafter.name, res.prefill_seconds, res.seconds)
+
+
 def test_greedy_lossless_with_stop_token(tiny_llama, noisy_drafter, plain3):
   """With a stop token that occurs mid-draft, speculative output is plain output cut right after
   the stop token's first occurrence (accepted drafts past it are never emitted)."""

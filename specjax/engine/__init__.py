@@ -35,6 +35,7 @@ class SpecResult:
   tokens: list[list[int]]
   stats: SpecStats
   seconds: float
+  prefill_seconds: float | None = None    # with `split_prefill`: the prefill's share of `seconds`
 
   @property
   def n_generated(self) -> int:
@@ -55,10 +56,14 @@ def _adaptive_costs(adaptive, params, cfg, b, cap, k, lens, tree):
   return costs
 
 
-def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, warm_widths):
-  """Prefill and rounds of a device drafter. -> (carry, adaptive record or None)."""
+def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, warm_widths, marks=None):
+  """Prefill and rounds of a device drafter. -> (carry, adaptive record or None). `marks`: a dict
+  that gets the time the prefill ended ("prefill", waited for)."""
   carry = prefill_request(spec.prefill_spec(), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=cap,
                           history_len=history_len)
+  if marks is not None:
+    jax.block_until_ready(carry)
+    marks["prefill"] = time.perf_counter()
   if not adaptive:
     return device_loop(spec, inp, carry), None
   b = tokens.shape[0]
@@ -70,10 +75,13 @@ def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, w
 def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_new_tokens: int = 128,
                          sampling: SamplingParams | None = None, draft_params: DraftParams | None = None,
                          stop_ids=(), capacity: int | None = None, warm_widths: bool = False,
-                         rollback: str = "per_step", adaptive: "adapt.AdaptiveConfig | bool | None" = None) -> SpecResult:
+                         rollback: str = "per_step", adaptive: "adapt.AdaptiveConfig | bool | None" = None,
+                         split_prefill: bool = False) -> SpecResult:
   """Speculative generation of a ragged batch of token prompts with one drafter. `rollback`
   ("per_step" | "redecode") is how a hybrid target's recurrent state goes back after a rejection.
-  `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.engine.adaptive`)."""
+  `adaptive` (True or an `AdaptiveConfig`) turns on adaptive drafting (`specjax.engine.adaptive`).
+  `split_prefill`: wait for the prefill and report its share of the time (`prefill_seconds`; the
+  wait costs the overlap of the prefill with what the host does next)."""
   check_drafter(drafter)
   tokens, lens = pad_prompts(prompts)
   b, k = len(prompts), drafter.max_draft
@@ -87,11 +95,12 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
   inp = RoundInputs(params=params, dparams=drafter.params() if drafter.on_device else (), sampling=sampling, dp=dp,
                     stop_ids=jnp.asarray(list(stop_ids) or [-1], jnp.int32),
                     max_new=jnp.full((b,), max_new_tokens, jnp.int32))
+  marks = {} if split_prefill else None
   t0 = time.perf_counter()
   if drafter.on_device:
     spec = RoundSpec(cfg=cfg, drafter=drafter, rollback=rollback)
     carry, record = _device_run(spec, inp, tokens, lens, cap=cap, history_len=history_len, adaptive=adaptive,
-                                costs=costs, warm_widths=warm_widths)
+                                costs=costs, warm_widths=warm_widths, marks=marks)
     drafter.end_device(carry.dstate)   # drafters with cross-request memory by design keep it (ngram_mod's table)
     jax.block_until_ready(carry.state.hist_len)
     draft_seconds = 0.0
@@ -99,7 +108,8 @@ def speculative_generate(params, cfg, prompts: list[list[int]], drafter, *, max_
     spec = RoundSpec(cfg=cfg, rollback=rollback)
     carry, draft_seconds, record = host_loop(spec, inp, drafter, prompts, tokens, lens, capacity=cap,
                                              history_len=history_len, warm_widths=warm_widths,
-                                             adaptive=adaptive or None, costs=costs)
+                                             adaptive=adaptive or None, costs=costs, marks=marks)
   seconds = time.perf_counter() - t0
   return SpecResult(tokens=outputs_of(carry.state), seconds=seconds,
+                    prefill_seconds=marks["prefill"] - t0 if marks else None,
                     stats=SpecStats.from_rounds(drafter.name, carry.stats, b, seconds, draft_seconds, adaptive=record))

@@ -62,6 +62,7 @@ class DecodeResult:
   tokens: list[list[int]]     # generated tokens per sequence (stop token included when hit)
   seconds: float              # wall time of the jitted call (prefill + decode), after compile
   n_generated: int
+  prefill_seconds: float | None = None   # with `split_prefill`: the prefill's share of `seconds`
 
   @property
   def tokens_per_s(self) -> float:
@@ -88,16 +89,21 @@ def _plain_inputs(params, cfg, prompts, max_new_tokens, sampling, stop_ids, capa
 
 def generate_plain(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams | None = None, stop_ids=(), capacity: int | None = None,
-                   max_new=None, unroll: int = 1) -> DecodeResult:
-  """Autoregressive generation for a ragged batch of token prompts."""
+                   max_new=None, unroll: int = 1, split_prefill: bool = False) -> DecodeResult:
+  """Autoregressive generation for a ragged batch of token prompts. `split_prefill`: wait for the
+  prefill and report its share of the time (`prefill_seconds`)."""
   inp, prefill = _plain_inputs(params, cfg, prompts, max_new_tokens, sampling, stop_ids, capacity, max_new)
   t0 = time.perf_counter()
   state = prefill()
+  t_prefill = None
+  if split_prefill:
+    jax.block_until_ready(state)
+    t_prefill = time.perf_counter() - t0
   state = _decode_loop(params, state, inp.sampling, inp.stop_ids, inp.max_new, cfg=cfg, unroll=unroll)
   jax.block_until_ready(state.hist_len)
   dt = time.perf_counter() - t0
   outs = outputs_of(state)
-  return DecodeResult(tokens=outs, seconds=dt, n_generated=sum(len(o) for o in outs))
+  return DecodeResult(tokens=outs, seconds=dt, n_generated=sum(len(o) for o in outs), prefill_seconds=t_prefill)
 
 
 def decode_loop_hlo(params, cfg, prompts: list[list[int]], *, max_new_tokens: int = 128,

@@ -121,12 +121,16 @@ def _plain_step_ms(spec, inp, carry, key, short: int = 2, long: int = 10) -> flo
 
 
 def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens, *, capacity, history_len,
-              warm_widths=False, adaptive=None, costs=None):
-  """-> (carry, host drafting seconds, adaptive record or None)."""
+              warm_widths=False, adaptive=None, costs=None, marks=None):
+  """-> (carry, host drafting seconds, adaptive record or None). `marks`: a dict that gets the time
+  the prefill ended ("prefill", waited for)."""
   b, k = len(prompts), drafter.max_draft
   key = adapt.cost_key(inp.params, spec.cfg, b, capacity, ("plain step",))
   carry = prefill_request(spec.prefill_spec(), inp, jnp.asarray(tokens), jnp.asarray(lens), capacity=capacity,
                           history_len=history_len)
+  if marks is not None:
+    jax.block_until_ready(carry)
+    marks["prefill"] = time.perf_counter()
   carry = dataclasses.replace(carry, stats=RoundStats.zeros(b, k))
   n_max, max_new = np.asarray(inp.dp["n_max"]), np.asarray(inp.max_new)
   # one host_step a round: its weights as one flat tuple (flattening nnx Variables costs ~1 ms a call)

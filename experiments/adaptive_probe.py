@@ -1,0 +1,115 @@
+"""Where an adaptive speculator's time goes beside plain decoding, batch by batch: for each method of a
+bench config, on the config's first batches of prompts, the whole call (as the benchmark times it)
+split into the prefill (waited for) and the rest, for the method as configured, pinned to width 0
+(adaptive with the width-0 rung only: every fixed cost of the adaptive path, no drafting) and, for
+device drafters, the fixed (non-adaptive) loop; plain decoding's split beside them. Minimum and median
+over `--repeats` timed calls after one warm-up per variant (which compiles and times round costs).
+
+  python experiments/adaptive_probe.py --config configs/bench_adaptive_heads_smollm2_b8.yaml --batches 1 --out /tmp/probe.json
+  OUT=... bash experiments/gpu/bootstrap.sh python3 experiments/adaptive_probe.py \\
+      --config configs/bench_adaptive_heads_smollm2_b8.yaml --out $OUT/adaptive_probe_heads_b8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from specjax.bench.config import DEFAULT_CAPACITY, load_config
+from specjax.bench.env import device_info, git_revision
+from specjax.bench.harness import load_questions, load_target
+from specjax.bench.runner import Runner, _encode, _messages
+from specjax.engine import speculative_generate
+from specjax.engine.decode import generate_plain
+from specjax.engine.sampling import SamplingParams
+
+
+def summary(calls: list[tuple[float, float | None]]) -> dict:
+  """ms of the whole call and of its prefill: min and median over the timed calls."""
+  total = [c[0] * 1e3 for c in calls]
+  prefill = [c[1] * 1e3 for c in calls if c[1] is not None]
+  out = {"total_ms_min": min(total), "total_ms_median": statistics.median(total)}
+  if prefill:
+    out |= {"prefill_ms_min": min(prefill), "prefill_ms_median": statistics.median(prefill),
+            "after_prefill_ms_min": min(t - p for t, p in zip(total, prefill))}
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config", required=True, help="a `specjax bench` config (target, prompts, batch size, methods)")
+  ap.add_argument("--batches", type=int, default=1, help="the config's first N batches")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--methods", nargs="*", help="only these methods of the config (names)")
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+  cfg = load_config(args.config)
+  questions = load_questions(cfg)
+  target = load_target(cfg)
+  methods = [m for m in cfg.methods if not args.methods or m.name in args.methods]
+  s = cfg.sampling
+  rows = []
+  for start in range(0, min(len(questions), args.batches * cfg.batch_size), cfg.batch_size):
+    batch = questions[start: start + cfg.batch_size]
+    prompts = [_encode(cfg, target.tokenizer, _messages(q, [], 0)) for q in batch]
+    b = len(prompts)
+    stop_ids = tuple(target.tokenizer.eos_ids) if target.tokenizer is not None else ()
+
+    def kw(n):
+      return dict(max_new_tokens=n, stop_ids=stop_ids, capacity=cfg.capacity or DEFAULT_CAPACITY,
+                  sampling=SamplingParams.make(b, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                               seed=cfg.seed), split_prefill=True)
+
+    def plain(n):
+      r = generate_plain(target.params, target.cfg, prompts, **kw(n))
+      return r.seconds, r.prefill_seconds
+
+    plain(min(cfg.max_new_tokens, 16))
+    base = summary([plain(cfg.max_new_tokens) for _ in range(args.repeats)])
+    row = {"batch": start // cfg.batch_size, "questions": [q.question_id for q in batch], "plain": base}
+    print(json.dumps({"batch": row["batch"], "plain": base}), flush=True)
+    for m in methods:
+      runner = Runner(cfg, target, m, {})
+      variants = {"configured": runner.adaptive}
+      if runner.adaptive is not None:
+        variants["width0"] = dataclasses.replace(runner.adaptive, widths=(0,))
+      if runner.drafter.on_device:
+        variants["fixed"] = None
+      out = {}
+      for name, ad in variants.items():
+        records = []
+
+        def call(n, warm=False, ad=ad):
+          r = speculative_generate(target.params, target.cfg, prompts, runner.drafter, draft_params=runner.draft_params,
+                                   warm_widths=warm, adaptive=ad, **kw(n))
+          if not warm:
+            records.append(r.stats)
+          return r.seconds, r.prefill_seconds
+
+        snap = runner._snapshot()
+        calls = []
+        for i, c in enumerate([min(cfg.max_new_tokens, 16)] + [cfg.max_new_tokens] * args.repeats):
+          runner._restore(snap)      # drafters with cross-request memory start each call alike
+          got = call(c, warm=i == 0)
+          if i:
+            calls.append(got)
+        st = records[-1]
+        out[name] = {**summary(calls), "tau": st.tau, "rounds": max(st.per_seq_rounds),
+                     "segments": (st.adaptive or {}).get("segments"), "costs_ms": (st.adaptive or {}).get("costs_ms")}
+        out[name]["x_plain"] = base["total_ms_min"] / out[name]["total_ms_min"]
+      row[m.name] = out
+      print(json.dumps({"batch": row["batch"], m.name: {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv)
+                                                           for kk, vv in v.items() if kk != "costs_ms"}
+                                                       for k, v in out.items()}}), flush=True)
+    rows.append(row)
+  result = {"what": "ms per batch call: whole, prefill, after prefill; as configured, pinned at width 0, fixed loop",
+            "config": args.config, "git_revision": git_revision(), "device": device_info(), "args": vars(args),
+            "rows": rows}
+  Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+  main()
