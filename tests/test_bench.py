@@ -354,3 +354,34 @@ def test_head_checksums_cover_the_config_and_every_shard(tmp_path):
   assert [f["path"] for f in files] == [str(weights), str(tmp_path / "head.json")] + [str(p) for p in written[1:]]
   assert all(f["sha256"] == hashlib.sha256(open(f["path"], "rb").read()).hexdigest() for f in files)
   assert env.head_files(tmp_path / "head.json") == files
+
+
+def test_timed_calls_leave_what_the_process_holds_out_of_the_collector(tmp_path, monkeypatch):
+  """Every timed generation call (not the warm-up) runs with the objects that existed before it
+  frozen out of the cyclic collector's generations, so a collection inside it scans only what the
+  call allocates; after the call they are back (nothing stays frozen between calls), and plain
+  decoding and the speculator are timed alike."""
+  import gc
+
+  from specjax.bench.harness import run_experiment
+  from specjax.bench.runner import Runner
+  seen = []
+  real = Runner._call
+
+  def recorded(self, prompts, max_new_tokens, warm=False):
+    seen.append((self.method.name if self.method else "plain", warm, gc.get_freeze_count()))
+    return real(self, prompts, max_new_tokens, warm=warm)
+
+  monkeypatch.setattr(Runner, "_call", recorded)
+  prompts = tmp_path / "q.jsonl"
+  prompts.write_text(json.dumps({"question_id": "q0", "category": "c", "turns": ["Say cat cat cat."]}) + "\n")
+  cfg = config_from_dict({"name": "gc", "target": "tiny-random", "prompts": [str(prompts)], "turns": 1,
+                          "max_new_tokens": 8, "capacity": 128, "repeats": 2,
+                          "methods": [{"name": "ngram", "speculator": "ngram_simple", "draft_params": {"n_max": 4}}]})
+  frozen_before = gc.get_freeze_count()
+  run_experiment(cfg, progress=False)
+  timed = [(name, n) for name, warm, n in seen if not warm]
+  assert sorted({name for name, _ in timed}) == ["ngram", "plain"] and len(timed) == 4, seen
+  assert all(n > frozen_before + 1000 for _, n in timed), seen          # the process's objects, frozen
+  assert all(n == frozen_before for _, warm, n in seen if warm), seen  # the warm-up runs as it is
+  assert gc.get_freeze_count() == frozen_before
