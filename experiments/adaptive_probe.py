@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 from pathlib import Path
@@ -44,6 +45,8 @@ def main():
   ap.add_argument("--batches", type=int, default=1, help="the config's first N batches")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--methods", nargs="*", help="only these methods of the config (names)")
+  ap.add_argument("--variants", nargs="+", default=["configured", "width0"], choices=["configured", "width0", "fixed"],
+                  help="each compiles its own program (~1 min per method on a GPU)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   cfg = load_config(args.config)
@@ -63,8 +66,16 @@ def main():
                   sampling=SamplingParams.make(b, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                                seed=cfg.seed), split_prefill=True)
 
+    def frozen(fn):
+      """As the bench times a call: what the process holds frozen out of the cyclic collector."""
+      gc.freeze()
+      try:
+        return fn()
+      finally:
+        gc.unfreeze()
+
     def plain(n):
-      r = generate_plain(target.params, target.cfg, prompts, **kw(n))
+      r = frozen(lambda: generate_plain(target.params, target.cfg, prompts, **kw(n)))
       return r.seconds, r.prefill_seconds
 
     plain(min(cfg.max_new_tokens, 16))
@@ -78,13 +89,15 @@ def main():
         variants["width0"] = dataclasses.replace(runner.adaptive, widths=(0,))
       if runner.drafter.on_device:
         variants["fixed"] = None
+      variants = {k: v for k, v in variants.items() if k in args.variants}
       out = {}
       for name, ad in variants.items():
         records = []
 
         def call(n, warm=False, ad=ad):
-          r = speculative_generate(target.params, target.cfg, prompts, runner.drafter, draft_params=runner.draft_params,
-                                   warm_widths=warm, adaptive=ad, **kw(n))
+          r = frozen(lambda: speculative_generate(target.params, target.cfg, prompts, runner.drafter,
+                                                  draft_params=runner.draft_params, warm_widths=warm, adaptive=ad,
+                                                  **kw(n)))
           if not warm:
             records.append(r.stats)
           return r.seconds, r.prefill_seconds
