@@ -112,14 +112,20 @@ def test_piece_widths_are_the_widths_pieces_pad_to():
 def test_no_compilation_after_warm_up(fresh_compiles):
   """After `warm()`, requests joining together (one-pass MTP prefill: whole prompts of 5-90 tokens,
   several rows per call) and the rounds that follow compile nothing: the server's
-  specjax_compiles_total stays where warm-up left it (a compile mid-serving stalls every slot)."""
+  specjax_compiles_total stays where warm-up left it (a compile mid-serving stalls every slot);
+  and what startup built is frozen out of the cyclic collector (a collection mid-serving scans only
+  what serving allocates)."""
+  import gc
+
   import jax
   from specjax.serve.metrics import COMPILE_EVENT
   sched, calls = _counted_scheduler("mtp")
   seen = []
   jax.monitoring.register_event_duration_secs_listener(lambda name, s, **_: seen.append(s) if name == COMPILE_EVENT else None)
   sched.prefill_budget = 128           # per round of a 4-round call: the four first prompts in one call
+  gc.unfreeze()
   sched.warm()
+  assert gc.get_freeze_count() > 1000
   before, compiled = len(seen), sched.metrics.compiles._value.get()
   events = {i: [] for i in range(6)}
   for i in range(4):
