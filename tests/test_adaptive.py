@@ -168,6 +168,24 @@ def test_adaptive_sampling_preserves_the_token_law(peaked_target):
                   what="adaptive speculative sampling")
 
 
+def test_per_round_cost_drops_the_per_call_cost():
+  """per_round_ms: runs costing a fixed 5 ms per call plus 2 (resp. 0.5) ms a round read 2 (0.5) ms
+  a round whatever the call cost, passes interleaved; a run that stops before the long run's extra
+  rounds reads its whole time per round."""
+  calls = []
+
+  def run(per, cap=None):
+    def f(n):
+      calls.append(per)
+      ran = n if cap is None else min(n, cap)
+      return 5.0 + per * ran, ran
+    return f
+
+  ms = adapt.per_round_ms([run(2.0), run(0.5), run(1.0, cap=4)], short=4, long=20, passes=3)
+  assert ms.tolist() == pytest.approx([2.0, 0.5, 9.0 / 4])
+  assert calls == [2.0, 2.0, 0.5, 0.5, 1.0, 1.0] * 3
+
+
 def test_calibration_measures_every_width(tiny_llama):
   """calibrate: one positive, non-decreasing cost per width, cached for the same shape."""
   cfg, params = tiny_llama

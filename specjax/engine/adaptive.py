@@ -236,6 +236,18 @@ def cost_key(params, cfg, batch: int, capacity: int, widths: tuple[int, ...], dr
 TIMED: set = set()        # shapes whose cached costs are timed whole rounds (not `calibrate`'s forwards)
 
 
+def per_round_ms(runs, short: int, long: int, passes: int = 3) -> np.ndarray:
+  """ms per round of each `run(n) -> (ms, rounds run)`: the difference of a long and a short run
+  over their extra rounds, so the per-call cost (launch, the host's wait) drops out; the median of
+  `passes` passes, each taking the runs in turn (drift hits them alike). [len(runs)], >= 1e-3."""
+  ms = [[] for _ in runs]
+  for _ in range(passes):
+    for i, run in enumerate(runs):
+      (t_s, r_s), (t_l, r_l) = run(short), run(long)
+      ms[i].append((t_l - t_s) / (r_l - r_s) if r_l > r_s else t_l / max(r_l, 1))
+  return np.asarray([max(float(np.median(m)), 1e-3) for m in ms], np.float32)
+
+
 def remember_costs(key: tuple, costs) -> np.ndarray:
   """Replace the cached costs of a shape by better ones (the device loop times whole rounds once
   per shape: `adaptive_loop.measure_round_costs`). Kept as timed, not made non-decreasing in the width:

@@ -196,12 +196,7 @@ def measure_round_costs(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, 
   run(len(widths) - 1, min(long, 1) if timed else 0)   # compile (+ first launch)
   if short < 2 or not timed:
     return None
-  ms = [[] for _ in widths]
-  for _ in range(3):
-    for i in range(len(widths)):
-      (t_s, r_s), (t_l, r_l) = run(i, short), run(i, long)
-      ms[i].append((t_l - t_s) / (r_l - r_s) if r_l > r_s else t_l / max(r_l, 1))
-  return np.asarray([max(float(np.median(m)), 1e-3) for m in ms], np.float32)
+  return adapt.per_round_ms([functools.partial(run, i) for i in range(len(widths))], short, long)
 
 
 def _segments(kept, log_w, log_r, n_seg) -> list[list[int]]:

@@ -112,11 +112,7 @@ def _plain_step_ms(spec, inp, carry, key, short: int = 2, long: int = 10) -> flo
     return (time.perf_counter() - t0) * 1e3, int(out[1])                      # a scalar output may be ready first
 
   run(short)                         # compile
-  per = []
-  for _ in range(3):
-    (t_s, r_s), (t_l, r_l) = run(short), run(long)
-    per.append((t_l - t_s) / max(r_l - r_s, 1))
-  _PLAIN_MS[key] = max(float(np.median(per)), 1e-3)
+  _PLAIN_MS[key] = float(adapt.per_round_ms([run], short, long)[0])
   return _PLAIN_MS[key]
 
 
