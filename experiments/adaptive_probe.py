@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import statistics
 from pathlib import Path
@@ -23,6 +22,7 @@ from specjax.bench.config import DEFAULT_CAPACITY, load_config
 from specjax.bench.env import device_info, git_revision
 from specjax.bench.harness import load_questions, load_target
 from specjax.bench.runner import Runner, _encode, _messages
+from specjax.bench.timing import heap_frozen
 from specjax.engine import speculative_generate
 from specjax.engine.decode import generate_plain
 from specjax.engine.sampling import SamplingParams
@@ -66,16 +66,9 @@ def main():
                   sampling=SamplingParams.make(b, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                                seed=cfg.seed), split_prefill=True)
 
-    def frozen(fn):
-      """As the bench times a call: what the process holds frozen out of the cyclic collector."""
-      gc.freeze()
-      try:
-        return fn()
-      finally:
-        gc.unfreeze()
-
     def plain(n):
-      r = frozen(lambda: generate_plain(target.params, target.cfg, prompts, **kw(n)))
+      with heap_frozen():   # as the bench times a call
+        r = generate_plain(target.params, target.cfg, prompts, **kw(n))
       return r.seconds, r.prefill_seconds
 
     plain(min(cfg.max_new_tokens, 16))
@@ -95,9 +88,9 @@ def main():
         records = []
 
         def call(n, warm=False, ad=ad):
-          r = frozen(lambda: speculative_generate(target.params, target.cfg, prompts, runner.drafter,
-                                                  draft_params=runner.draft_params, warm_widths=warm, adaptive=ad,
-                                                  **kw(n)))
+          with heap_frozen():
+            r = speculative_generate(target.params, target.cfg, prompts, runner.drafter,
+                                     draft_params=runner.draft_params, warm_widths=warm, adaptive=ad, **kw(n))
           if not warm:
             records.append(r.stats)
           return r.seconds, r.prefill_seconds

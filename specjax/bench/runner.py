@@ -17,7 +17,6 @@ Each prompt becomes a `PromptRecord` (`specjax.bench.records`).
 from __future__ import annotations
 
 import copy
-import gc
 import time
 
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from specjax.bench.config import DEFAULT_CAPACITY, ExperimentConfig, MethodConfig
 from specjax.bench.prompts import Question
 from specjax.bench.records import PLAIN, PromptRecord
+from specjax.bench.timing import heap_frozen
 from specjax.drafters.base import DraftParams
 from specjax.drafters.registry import make_speculator
 from specjax.engine import speculative_generate
@@ -111,16 +111,8 @@ class Runner:
     return min(runs, key=lambda r: r.seconds), [r.seconds for r in runs]
 
   def _timed_call(self, prompts):
-    """A timed call with what the process already holds (the model, compiled programs, earlier rows:
-    ~0.4M objects after loading SmolLM2, a full collection ~0.12 s) frozen out of the cyclic
-    collector's generations, so a collection inside the call scans only what the call allocates
-    (a host drafter's tries and lists still cost their collections) instead of landing a
-    heap-sized pause in whichever method's call it happens to hit."""
-    gc.freeze()
-    try:
+    with heap_frozen():     # plain and speculative calls alike: no heap-sized collection lands in one
       return self._call(prompts, self.cfg.max_new_tokens)
-    finally:
-      gc.unfreeze()
 
   def replay(self, prompts) -> None:
     """One untimed generation, kept only for what the drafter's cross-request memory learns from it:

@@ -63,28 +63,32 @@ def _warm_widths(spec, inp, carry, k, n_max):
 def _plain_segment(spec, inp, carry, control, histories, done, shadow=None):
   """The rounds up to the controller's next exploring round (with shadow drafts: one shadow
   segment) as plain decoding steps, one device call; the new tokens go onto `histories`, the
-  segment's ms per step to the controller's costs. `shadow()` (-> draft tokens [B, K], lengths
+  segment's ms per step to the controller's costs. `shadow(live)` (-> draft tokens [B, K], lengths
   [B]) is asked from the histories as they were before the segment but while the device runs it
   (the host's drafting overlaps the device's steps), and its draft is compared with the tokens the
-  segment made. -> (carry, done [B])."""
+  segment made. -> (carry, done [B], seconds the shadow draft took)."""
   t0 = time.perf_counter()
   live = ~done
   carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))   # dispatched, not waited for
-  drafted = shadow() if shadow is not None else None
+  drafted, shadow_s = None, 0.0
+  if shadow is not None:
+    t_s = time.perf_counter()
+    drafted = shadow(live)
+    shadow_s = time.perf_counter() - t_s
   history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
   control.observe_cost(0, (time.perf_counter() - t0) * 1e3, int(ran))
   control.ran_plain(int(ran) - 1)
-  new = []
+  before = np.asarray([len(h) for h in histories])
   for i, h in enumerate(histories):
-    new.append(history[i, len(h): hist_len[i]].tolist())
-    h.extend(new[-1])
+    h.extend(history[i, before[i]: hist_len[i]].tolist())
   if drafted is not None:
     tokens, lengths = drafted
-    asked = np.asarray([min(int(lengths[i]), len(new[i])) for i in range(len(new))])
-    matched = np.asarray([next((j for j in range(asked[i]) if int(tokens[i, j]) != new[i][j]), asked[i])
-                          for i in range(len(new))])
+    asked = np.minimum(lengths, hist_len - before)                                 # [B] positions the segment made
+    cols = np.minimum(before[:, None] + np.arange(tokens.shape[1])[None, :], history.shape[1] - 1)
+    hit = (tokens == np.take_along_axis(history, cols, axis=1)) | (np.arange(tokens.shape[1])[None, :] >= asked[:, None])
+    matched = np.minimum(np.argmin(np.concatenate([hit, np.zeros_like(hit[:, :1])], axis=1), axis=1), asked)
     control.observe_shadow(asked, matched, live & (asked > 0))
-  return carry, done
+  return carry, done, shadow_s
 
 
 _PLAIN_MS: dict = {}     # ms per plain decoding step, by shape (`adapt.cost_key`)
@@ -143,14 +147,20 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   first = np.asarray(carry.state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
   done = np.asarray(carry.state.done)
-  begun = []
+  begun = False
 
   def begin():
     """The drafter's request begins at its first use: after a plain segment is on its way, so that
     its setup (a suffix drafter's tries of the prompts and of earlier outputs) overlaps the device."""
+    nonlocal begun
     if not begun:
       drafter.begin([list(p) for p in prompts])
-      begun.append(True)
+      begun = True
+
+  def shadow_draft(live):    # a draft not verified: compared with what the segment makes
+    begin()
+    s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, live))
+    return np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
 
   draft_seconds = 0.0
   while not done.all():
@@ -158,19 +168,11 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done, remaining)
     if control is not None and not asked.any():
-      timed = [0.0]
-
-      def shadow(live=~done):   # a draft not verified: compared with what the segment makes
-        t = time.perf_counter()
-        begin()
-        s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, live))
-        timed[0] = time.perf_counter() - t
-        return np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
-
-      carry, done = _plain_segment(spec, inp, carry, control, histories, done, shadow if control.shadow else None)
+      carry, done, shadow_s = _plain_segment(spec, inp, carry, control, histories, done,
+                                             shadow_draft if control.shadow else None)
       begin()
       drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
-      draft_seconds += timed[0]
+      draft_seconds += shadow_s
       continue
     begin()
     d_tok, d_len, _ = drafter.propose(histories, asked)
