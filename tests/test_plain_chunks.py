@@ -1,5 +1,5 @@
 """Adaptive width-0 rounds as plain chunks (specjax.engine.plain_chunks): m plain decoding steps, the
-drafter caught up once per chunk of W+1, leave the target and the drafter where m width-0 rounds
+drafter caught up once per chunk (32 steps; W+1 for the tree draft model), leave the target and the drafter where m width-0 rounds
 leave them, for every drafter whose commit takes them (trees at budget 0, chains at width 0): the
 same tokens, target cache and statistics, and the same next draft at the full width (a drafter that
 missed an entry, or conditioned on the wrong features, drafts another tree or chain)."""
@@ -18,7 +18,7 @@ from specjax.drafters import speculator_spec
 from specjax.drafters.base import DraftParams
 from specjax.engine.generation import pad_prompts
 from specjax.engine.loops import prefill_request, rounds_at
-from specjax.engine.plain_chunks import plain_chunks, supports
+from specjax.engine.plain_chunks import chunk_steps, plain_chunks, supports
 from specjax.engine.round import RoundInputs, RoundSpec, draft_context
 from specjax.engine.sampling import SamplingParams
 from specjax.engine.tree import max_depth_of
@@ -47,15 +47,17 @@ def test_plain_chunks_leave_the_state_of_width_zero_rounds(name, target, tmp_pat
   noisy = [x + jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
            else x for x in leaves]
   inp = RoundInputs(params=target.params, dparams=jax.tree_util.tree_unflatten(treedef, noisy), sampling=SamplingParams.make(b), dp=dp,
-                    stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
+                    stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 100, jnp.int32))
   full = RoundSpec(cfg=target.cfg, drafter=d)
   zero = RoundSpec(cfg=target.cfg, drafter=d, width=0)
   assert supports(zero) and not supports(full)
-  m = 2 * ((max_depth_of(d) if tree else d.max_draft) + 1) + 1        # two whole chunks and one step
-  carry = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64, history_len=64)
+  chunk = chunk_steps(zero)
+  assert chunk == ((max_depth_of(d) + 1) if name == "draft_tree" else 32)
+  m = 2 * chunk + 1                                                  # two whole chunks and one step
+  carry = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=128, history_len=128)
   by_rounds, ran_rounds = jax.jit(functools.partial(rounds_at, zero))(inp, m, carry)
-  carry = carry_after_prefill = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=64,
-                                                 history_len=64)
+  carry = carry_after_prefill = prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=128,
+                                                 history_len=128)
   by_chunks, live, ran_chunks = jax.jit(functools.partial(plain_chunks, zero))(inp, m, carry)
 
   assert int(ran_rounds) == int(ran_chunks) == m and np.asarray(live).tolist() == [m] * b

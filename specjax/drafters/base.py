@@ -20,6 +20,8 @@ import numpy as np
 
 from specjax.errors import UserError
 
+PLAIN_CHUNK_STEPS = 32    # plain decoding steps per catch-up of a `long_chunks` drafter (`engine.plain_chunks`)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,10 @@ class Drafter:
   chunk_commit: `commit` writes its state from the verified tokens and the target's taps only, never
     from its own drafts, so a stretch of plain decoding steps can be committed as one round whose
     draft was those tokens, all accepted (`specjax.engine.plain_chunks`: adaptive width 0).
+  long_chunks: (`chunk_commit` drafters) a chunk's commit may take `PLAIN_CHUNK_STEPS` tokens, more
+    than a round verifies, so the drafter is caught up less often (its caches hold that many
+    slots beyond the engine's capacity); off for drafters whose next propose catches up a bounded
+    window of new tokens.
   cross_request_memory: state outlives a request by design (a shared table, a global suffix tree);
     the bench harness snapshots it so repeats measure the same drafter.
   """
@@ -81,6 +87,7 @@ class Drafter:
   replayable: ClassVar[bool] = False
   budgeted: ClassVar[bool] = False
   chunk_commit: ClassVar[bool] = False
+  long_chunks: ClassVar[bool] = True
   cross_request_memory: ClassVar[bool] = False
   max_draft: int                    # static K: draft arrays are [B, K] (trees: the node budget `n_nodes`)
 

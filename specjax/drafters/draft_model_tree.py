@@ -55,6 +55,7 @@ class DraftModelTreeDrafter(DeviceDrafter):
   """Device tree drafter backed by a smaller model. Hashable by its static configuration. A
   sequence's n_max caps the depth verified (`verify_tree`)."""
   chunk_commit: ClassVar[bool] = True   # commit is a no-op; propose catches up from the history (window D+1)
+  long_chunks: ClassVar[bool] = False   # so a chunk holds at most D+1 steps
   cfg: ModelConfig
   depth: int = 3
   top_k: int = 2

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
+from specjax.drafters.base import PLAIN_CHUNK_STEPS, DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters.eagle3 import Eagle3Config, head_module, head_step, load_head
 from specjax.engine.sampling import split_keys
 from specjax.engine.tree import TreeDraft, best_nodes, empty_draft, n_candidates, node_budget, score_rank
@@ -78,8 +78,8 @@ class Eagle3Drafter(DeviceDrafter):
 
   @property
   def extra_slots(self) -> int:
-    """Head cache slots beyond the engine's capacity that drafting may write."""
-    return 0
+    """Head cache slots beyond the engine's capacity that drafting or a plain chunk's commit may write."""
+    return PLAIN_CHUNK_STEPS
 
   def params(self):
     return self.weights
@@ -197,7 +197,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
   @property
   def extra_slots(self) -> int:
-    return (self.depth - 1) * self.top_k
+    return max((self.depth - 1) * self.top_k, PLAIN_CHUNK_STEPS)
 
   def propose_tree(self, dparams, dstate: Eagle3State, ctx: DraftContext, budget: int | None = None):
     """The best `budget` (default max_draft) nodes, from min(depth, budget) levels. -> (tokens [B, T]

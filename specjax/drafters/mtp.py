@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.base import DeviceDrafter, Draft, DraftContext, RoundResult
+from specjax.drafters.base import PLAIN_CHUNK_STEPS, DeviceDrafter, Draft, DraftContext, RoundResult
 from specjax.drafters import head_file
 from specjax.drafters.head_file import (abstract_params, check_target, fused_sizes, graphdef_of, params_of,
                                         params_from_tensors, refuse_unplaced, tensors_from)
@@ -231,7 +231,8 @@ class MTPDrafter(DeviceDrafter):
     dtype = jax.tree_util.tree_leaves(heads)[0].dtype
     caches = []
     for hp in heads:
-      cache = KVCache.init(block_config(self.cfg), b, capacity, dtype=dtype)
+      # slots past the engine's capacity: a plain chunk's commit writes PLAIN_CHUNK_STEPS entries at once
+      cache = KVCache.init(block_config(self.cfg), b, capacity + PLAIN_CHUNK_STEPS, dtype=dtype)
       _, cache = head_step(hp, self.cfg, emb, prenorm, cache, positions, n_new)
       caches.append(cache)
     pending = jnp.take_along_axis(prenorm, n_new[:, None, None], axis=1)[:, 0]       # [B, D]

@@ -3,18 +3,21 @@
 At width 0 (a chain of no drafts, a tree of no nodes) a round verifies `last` alone: one token a
 round, as plain decoding, but through the round's machinery: the drafter's propose (a chain
 drafter drafts its whole chain, then the round drops it), verification, for trees the path move,
-the drafter's commit. `plain_chunks`
-runs such a stretch as plain decoding steps that keep the target's taps (the hidden states a
-drafter conditions on) and catches the drafter up once per chunk of up to W+1 steps (W: the
-drafter's round width, a tree's depth or a chain's K) as one round whose draft was the chunk's
-tokens, all accepted: before the chunk the drafter does what its commit needs of a propose
-(`begin_chunk`: a tree at budget 0; MTP / EAGLE-3 the committed root entry; DFlash the anchor's
-position), and commits after it with the chunk's inputs [x_0 .. x_{m-1}] and their taps as
-the verified tokens, m - 1 of them accepted and x_m (the new `last`) the bonus token. That is a
-round the drafter's commit takes (W+1 verified tokens), and for drafters whose commit reads the
-verified tokens and taps only (`chunk_commit`) it leaves the drafter where m width-0 rounds would:
-EAGLE-3 and MTP write the entries (g_j, x_{j+1}) each round would have written, DFlash appends the
-same features, the tree draft model's next propose catches up the m tokens (its window is D+1).
+the drafter's commit. `plain_chunks` runs such a stretch as plain decoding steps that keep the
+target's taps (the hidden states a drafter conditions on) and catches the drafter up once per chunk
+of up to `chunk_steps` steps as one round whose draft was the chunk's tokens, all accepted: before
+the chunk the drafter does what its commit needs of a propose (`begin_chunk`: a tree at budget 0;
+MTP / EAGLE-3 the committed root entry; DFlash the anchor's position), and commits after it with
+the chunk's inputs [x_0 .. x_{m-1}] and their taps as the verified tokens, m - 1 of them accepted
+and x_m (the new `last`) the bonus token. Drafters whose commit reads the verified tokens and taps
+only (`chunk_commit`) are then where m width-0 rounds would leave them: EAGLE-3 and MTP write the
+entries (g_j, x_{j+1}) each round would have written, DFlash appends the same features, the tree
+draft model's next propose catches up the m tokens.
+
+A chunk holds `PLAIN_CHUNK_STEPS` steps for drafters whose commit takes any number of verified tokens
+(`long_chunks`), so the catch-up (a head forward and its launches, a fixed cost at small batch)
+comes once per 32 steps rather than once per W+1 (W: a tree's depth or a chain's K), and W+1 for
+the tree draft model, whose propose catches up at most that many new tokens.
 
 The target's side is plain decoding's step (same forward, sampler keys and emission), so greedy
 output is plain decoding's; sampled output is distributed as the target's, as in any round.
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import parallel
-from specjax.drafters.base import RoundResult
+from specjax.drafters.base import PLAIN_CHUNK_STEPS, RoundResult
 from specjax.engine.decode import decode_step_tapped
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, commit_width, draft_context
 
@@ -40,13 +43,21 @@ def supports(spec: RoundSpec) -> bool:
           and (d.budgeted or not d.proposes_tree))
 
 
-def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0):
+def chunk_steps(spec: RoundSpec) -> int:
+  """Plain steps per chunk: `PLAIN_CHUNK_STEPS`, or a round's verified tokens (W+1) for a drafter whose
+  next propose catches up only that many (`long_chunks` off), or when they are more."""
+  w = commit_width(spec)
+  return max(w, PLAIN_CHUNK_STEPS) if spec.drafter.long_chunks else w
+
+
+def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0,
+                 chunk: int | None = None):
   """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
-  chunks of up to W+1, the drafter caught up after each. -> (carry, rounds each sequence was live
-  in [B], rounds run []), and with `log_rounds` > 0 (static; `rounds` <= it) the tokens each step
-  emitted [log_rounds, B] (a server's per-round counts)."""
+  chunks of up to `chunk` (static; default `chunk_steps(spec)`), the drafter caught up after each.
+  -> (carry, rounds each sequence was live in [B], rounds run []), and with `log_rounds` > 0
+  (static; `rounds` <= it) the tokens each step emitted [log_rounds, B] (a server's per-round counts)."""
   drafter = spec.drafter
-  chunk = commit_width(spec)
+  chunk = chunk or chunk_steps(spec)
   b = carry.state.last.shape[0]
   step_tapped = lambda s: decode_step_tapped(inp.params, spec.cfg, s, inp.sampling, inp.stop_ids, inp.max_new,
                                              taps=spec.taps)
