@@ -2,7 +2,10 @@
 decode loop against the adaptive program pinned at width 0 (one segment) and choosing freely among
 widths priced so that width 0 always wins, at several segment lengths (a per-segment cost shows as
 ms per round falling with the segment length). Times are differences of a long and a short
-generation (the per-call costs and the prefill drop out), median of `--repeats`.
+generation (the per-call costs and the prefill drop out), median of `--repeats`; beside each, the
+per-call cost (`*_call_ms`: the short run less its tokens at that rate), which a program's fixed
+work per call (a command buffer updated for the call's buffers, a first entry into each loop) adds
+to every request whatever its length.
 
   python experiments/adaptive_overhead.py --tiny --out /tmp/adaptive_overhead.json                  # CPU
   OUT=... bash experiments/gpu/bootstrap.sh python3 experiments/adaptive_overhead.py --out $OUT/adaptive_overhead.json
@@ -40,18 +43,21 @@ TINY = ModelConfig(arch="llama", vocab_size=512, d_model=64, n_layers=4, n_heads
                    ffn_dim=128, norm_eps=1e-6)
 
 
-def per_round_ms(run, short: int, long: int, repeats: int) -> float:
-  """Median over repeats of (t(long) - t(short)) / (long - short), after one untimed pass of each."""
+def per_round_ms(run, short: int, long: int, repeats: int) -> tuple[float, float]:
+  """(ms per token, ms per call): medians over repeats of (t(long) - t(short)) / (long - short) and
+  of t(short) - short x that, after one untimed pass of each."""
   run(short), run(long)
-  out = []
+  per_token, per_call = [], []
   for _ in range(repeats):
     t0 = time.perf_counter()
     run(short)
     t1 = time.perf_counter()
     run(long)
     t2 = time.perf_counter()
-    out.append(((t2 - t1) - (t1 - t0)) / (long - short) * 1e3)
-  return float(np.median(out))
+    rate = ((t2 - t1) - (t1 - t0)) / (long - short) * 1e3
+    per_token.append(rate)
+    per_call.append((t1 - t0) * 1e3 - short * rate)
+  return float(np.median(per_token)), float(np.median(per_call))
 
 
 def main():
@@ -90,7 +96,8 @@ def main():
                            cfg=cfg)
         jax.block_until_ready(out.hist_len)
 
-      row = {"batch": b, "speculator": name, "plain_ms": per_round_ms(plain, args.short, args.long, args.repeats)}
+      row = {"batch": b, "speculator": name}
+      row["plain_ms"], row["plain_call_ms"] = per_round_ms(plain, args.short, args.long, args.repeats)
       for seg in args.segments:
         ac = adapt.AdaptiveConfig(segment_rounds=seg, explore_every=10 ** 6)
         widths = ac.widths_for(drafter.max_draft)
@@ -104,10 +111,10 @@ def main():
             jax.block_until_ready(out[1][3])
 
           key = "width0_pinned_ms" if mode == "pinned" else f"width0_segments_of_{seg}_ms"
-          row[key] = per_round_ms(spec_run, args.short, args.long, args.repeats)
+          row[key], row[key.replace("_ms", "_call_ms")] = per_round_ms(spec_run, args.short, args.long, args.repeats)
       print(json.dumps(row), flush=True)
       rows.append(row)
-  result = {"what": "ms per token: plain decode loop vs the adaptive program at width 0", "model": target.name,
+  result = {"what": "ms per token and per call: plain decode loop vs the adaptive program at width 0", "model": target.name,
             "git_revision": git_revision(), "device": device_info(), "args": vars(args), "rows": rows}
   Path(args.out).write_text(json.dumps(result, indent=1))
 
