@@ -360,12 +360,13 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   draft, so the rounds between exploring rounds run as plain decoding steps in one device call.
   Sampled output (T = 1) identical token for token to plain decoding's with the same seed (the
   same forward, sampler, key stream and emission), and no host-drafted round at all: the only
-  device calls are one per shadow segment (a quarter of shadow_rounds, then shadow_rounds)."""
+  device calls are one per shadow segment (a quarter of shadow_rounds, then shadow_rounds; none
+  queued past the token budget)."""
   host_loop_module = importlib.import_module("specjax.engine.host_loop")
   cfg, params = tiny_llama
   sampling = lambda: SamplingParams.make(len(PROMPTS3), temperature=1.0, seed=11)
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW, sampling=sampling()).tokens
-  calls = {"host_step": 0, "plain_rounds": 0}
+  calls = {"host_step": 0, "plain_segment": 0}
   for name in calls:
     real = getattr(host_loop_module, name)
     def counted(*a, _real=real, _name=name, **kw):
@@ -379,7 +380,7 @@ def test_host_loop_rounds_without_drafts_are_plain_decoding_in_one_call(tiny_lla
   rounds = max(res.stats.per_seq_rounds)
   assert res.stats.gen_tokens == 0 and res.stats.adaptive["segments"] == [[0, rounds]], res.stats.adaptive
   first = max(ac.shadow_rounds // 4, 1)
-  assert calls == {"host_step": 0, "plain_rounds": 1 + -(-max(rounds - first, 0) // ac.shadow_rounds)}, (calls, rounds)
+  assert calls == {"host_step": 0, "plain_segment": 1 + -(-max(rounds - first, 0) // ac.shadow_rounds)}, (calls, rounds)
 
 
 def test_host_drafting_overlaps_the_plain_segment_on_the_device(tiny_llama, monkeypatch):
@@ -391,7 +392,7 @@ def test_host_drafting_overlaps_the_plain_segment_on_the_device(tiny_llama, monk
   host_loop_module = importlib.import_module("specjax.engine.host_loop")
   cfg, params = tiny_llama
   events = []
-  real_plain = host_loop_module.plain_rounds
+  real_plain = host_loop_module.plain_segment
 
   def dispatched(*a, **kw):
     events.append("dispatch")
@@ -406,7 +407,7 @@ def test_host_drafting_overlaps_the_plain_segment_on_the_device(tiny_llama, monk
       events.append(("propose", tuple(len(h) for h in histories)))
       return super().propose(histories, n_max)
 
-  monkeypatch.setattr(host_loop_module, "plain_rounds", dispatched)
+  monkeypatch.setattr(host_loop_module, "plain_segment", dispatched)
   prompt = [PROMPTS3[0]]
   ac = adapt.AdaptiveConfig(widths=(0, K), costs=(1.0, 3.5), shadow_rounds=8)
   res = speculative_generate(params, cfg, prompt, Recorded(size_n=1, size_m=K), max_new_tokens=2 * MAX_NEW, adaptive=ac)
@@ -418,22 +419,53 @@ def test_host_drafting_overlaps_the_plain_segment_on_the_device(tiny_llama, monk
   assert any(w == K for w, _ in res.stats.adaptive["segments"][1:]), res.stats.adaptive
 
 
+def test_host_loop_queues_the_next_plain_segment_while_shadow_drafts_find_nothing(tiny_llama, monkeypatch):
+  """Host loop backing off with shadow drafts that find nothing (a drafter with no draft to offer):
+  after the first segment each plain segment is queued on the device before the host waits for
+  the one before it (the host reads a segment's tokens only once its successor is dispatched), so
+  the device does not idle while the host works between segments; no segment is queued past the
+  token budget, and the output (sampled, T = 1) is plain decoding's token for token."""
+  host_loop_module = importlib.import_module("specjax.engine.host_loop")
+  cfg, params = tiny_llama
+  events = []
+  real_plain, real_finish = host_loop_module.plain_segment, host_loop_module._finish_segment
+  monkeypatch.setattr(host_loop_module, "plain_segment", lambda *a, **kw: (events.append("D"), real_plain(*a, **kw))[1])
+  monkeypatch.setattr(host_loop_module, "_finish_segment", lambda *a, **kw: (events.append("F"), real_finish(*a, **kw))[1])
+
+  class NoDrafts(NgramSimple):
+    def propose(self, histories, n_max):
+      tokens, _, scores = super().propose(histories, n_max)
+      return tokens, np.zeros(len(histories), np.int32), scores
+
+  sampling = lambda: SamplingParams.make(len(PROMPTS3), temperature=1.0, seed=5)
+  ac = adapt.AdaptiveConfig(widths=(0, K), costs=(1.0, 3.5), shadow_rounds=4)
+  res = speculative_generate(params, cfg, PROMPTS3, NoDrafts(size_n=1, size_m=K), max_new_tokens=2 * MAX_NEW,
+                             sampling=sampling(), adaptive=ac)
+  assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=2 * MAX_NEW, sampling=sampling()).tokens
+  rounds = max(res.stats.per_seq_rounds)
+  assert res.stats.adaptive["segments"] == [[0, rounds]], res.stats.adaptive
+  n = events.count("D")
+  assert n == 1 + -(-(rounds - 1) // ac.shadow_rounds) and events.count("F") == n, (events, rounds)
+  assert "".join(events) == "DF" + "D" * (n > 1) + "DF" * (n - 2) + "F" * (n > 1), events
+
+
 def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   """A benchmark's warm-up (2 tokens, inside the first exploring rounds, so it never backs off)
   compiles the host loop's plain segment too: the timed run, which backs off to plain rounds
   (drafting at 50x the cost), compiles nothing, and its output equals plain decoding's."""
-  from specjax.engine.loops import plain_rounds
+  from specjax.engine.loops import plain_rounds, plain_segment
+  cache_sizes = lambda: (plain_segment._cache_size(), plain_rounds._cache_size())
   cfg, params = tiny_llama
   ac = adapt.AdaptiveConfig(widths=(0, 2), costs=(1.0, 50.0), segment_rounds=2, explore_rounds=4, shadow_rounds=0)
   kw = dict(capacity=128, adaptive=ac)
   warm = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2,
                               warm_widths=True, **kw)
   assert {w for w, _ in warm.stats.adaptive["segments"]} == {2}, warm.stats.adaptive
-  compiled = plain_rounds._cache_size()
+  compiled = cache_sizes()
   res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW, **kw)
   assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   assert any(w == 0 for w, _ in res.stats.adaptive["segments"]), res.stats.adaptive
-  assert plain_rounds._cache_size() == compiled
+  assert cache_sizes() == compiled
   # costs learned (no config costs): the warm-up times the plain step once for the shape, with its
   # token budget lifted on copies; the timed run reuses it, width 0 priced as plain steps
   host_loop_module = importlib.import_module("specjax.engine.host_loop")
@@ -442,8 +474,9 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2, warm_widths=True,
                        **learned)
   assert len(host_loop_module._PLAIN_MS) == timed_before + 1
+  compiled = cache_sizes()           # the segment's token window is shadow_rounds: this warm-up compiled it
   res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW, **learned)
-  assert len(host_loop_module._PLAIN_MS) == timed_before + 1 and plain_rounds._cache_size() == compiled
+  assert len(host_loop_module._PLAIN_MS) == timed_before + 1 and cache_sizes() == compiled
   assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   rec = res.stats.adaptive
   assert rec["costs_ms"][0] != pytest.approx(rec["prior_ms"][0]), rec      # not the forward calibration's

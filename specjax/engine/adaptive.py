@@ -398,6 +398,17 @@ class HostController:
     self.asked = np.where(live, np.minimum(w, caps), 0)
     return self.asked
 
+  def retract(self) -> None:
+    """Forget the last `lengths` (the host loop decides again once the tokens of the segment on the
+    device are in)."""
+    self.round -= 1
+    self.chosen.pop()
+
+  @property
+  def max_plain_rounds(self) -> int:
+    """The most rounds `plain_rounds_ahead` asks for (the host loop's segment window, static)."""
+    return max(self.ac.shadow_rounds, 1) if self.shadow else self.ac.explore_every * self.ac.segment_rounds
+
   def plain_rounds_ahead(self) -> int:
     """After `lengths` asked no sequence for a draft: the rounds from that one up to the next
     exploring round. A round without drafts adds no observation, so until then only a sequence

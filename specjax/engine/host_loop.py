@@ -24,7 +24,7 @@ import numpy as np
 
 from specjax.drafters.base import Draft
 from specjax.engine import adaptive as adapt
-from specjax.engine.loops import plain_rounds, prefill_request
+from specjax.engine.loops import plain_rounds, plain_segment, prefill_request
 from specjax.engine.packed_tree import PackedTree, unpack
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, run_round
 from specjax.engine.stats import RoundStats
@@ -60,35 +60,40 @@ def _warm_widths(spec, inp, carry, k, n_max):
     width *= 2
 
 
-def _plain_segment(spec, inp, carry, control, histories, done, shadow=None):
-  """The rounds up to the controller's next exploring round (with shadow drafts: one shadow
-  segment) as plain decoding steps, one device call; the new tokens go onto `histories`, the
-  segment's ms per step to the controller's costs. `shadow(live)` (-> draft tokens [B, K], lengths
-  [B]) is asked from the histories as they were before the segment but while the device runs it
-  (the host's drafting overlaps the device's steps), and its draft is compared with the tokens the
-  segment made. -> (carry, done [B], seconds the shadow draft took)."""
-  t0 = time.perf_counter()
-  live = ~done
-  carry, ran = plain_rounds(spec, inp, carry, jnp.int32(control.plain_rounds_ahead()))   # dispatched, not waited for
-  drafted, shadow_s = None, 0.0
-  if shadow is not None:
-    t_s = time.perf_counter()
-    drafted = shadow(live)
-    shadow_s = time.perf_counter() - t_s
-  history, hist_len, done, ran = jax.device_get((carry.state.history, carry.state.hist_len, carry.state.done, ran))
-  control.observe_cost(0, (time.perf_counter() - t0) * 1e3, int(ran))
+@dataclasses.dataclass
+class _Segment:
+  """A plain segment on its way: its outputs (device arrays, `loops.plain_segment`), the rounds it
+  may run, the sequences live when it was asked for, its shadow draft (tokens [B, K], lengths [B],
+  drafted from the tokens before it) and when it was dispatched."""
+  out: tuple
+  rounds: int
+  live: np.ndarray
+  t_dispatch: float
+  drafted: tuple | None = None
+
+
+def _finish_segment(seg: _Segment, control, histories, t_free: float) -> tuple[np.ndarray, float, bool]:
+  """Wait for a plain segment; its tokens go onto `histories`, its ms per step (from when the
+  device was free for it: its dispatch, or the end of the segment queued before it) to the
+  controller's costs, and its shadow draft is compared with the tokens it made.
+  -> (done [B], when it ended, whether its shadow draft matched a token)."""
+  made, n_made, live_after, ran = jax.device_get(seg.out)
+  t_end = time.perf_counter()
+  control.observe_cost(0, (t_end - max(seg.t_dispatch, t_free)) * 1e3, int(ran))
   control.ran_plain(int(ran) - 1)
-  before = np.asarray([len(h) for h in histories])
   for i, h in enumerate(histories):
-    h.extend(history[i, before[i]: hist_len[i]].tolist())
-  if drafted is not None:
-    tokens, lengths = drafted
-    asked = np.minimum(lengths, hist_len - before)                                 # [B] positions the segment made
-    cols = np.minimum(before[:, None] + np.arange(tokens.shape[1])[None, :], history.shape[1] - 1)
-    hit = (tokens == np.take_along_axis(history, cols, axis=1)) | (np.arange(tokens.shape[1])[None, :] >= asked[:, None])
+    h.extend(made[i, : n_made[i]].tolist())
+  if seg.drafted is not None:
+    tokens, lengths = seg.drafted
+    asked = np.minimum(lengths, n_made)                                            # [B] positions the segment made
+    k, w = tokens.shape[1], min(tokens.shape[1], made.shape[1])
+    made_k = np.full(tokens.shape, -1, made.dtype)
+    made_k[:, :w] = made[:, :w]                           # asked <= n_made <= the window: columns past it never count
+    hit = (tokens == made_k) | (np.arange(k)[None, :] >= asked[:, None])
     matched = np.minimum(np.argmin(np.concatenate([hit, np.zeros_like(hit[:, :1])], axis=1), axis=1), asked)
-    control.observe_shadow(asked, matched, live & (asked > 0))
-  return carry, done, shadow_s
+    control.observe_shadow(asked, matched, seg.live & (asked > 0))
+    return ~live_after, t_end, bool(np.any(matched[seg.live] > 0))
+  return ~live_after, t_end, False     # nothing observed: the controller's next choice cannot change
 
 
 _PLAIN_MS: dict = {}     # ms per plain decoding step, by shape (`adapt.cost_key`)
@@ -140,10 +145,11 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     # width 0 runs as plain decoding steps on the device, not as host rounds: its cost is a step's
     plain_ms = _plain_step_ms(spec, inp, carry, key) if adaptive.costs is None else None
     control = adapt.HostController(adaptive, b, k, costs, plain_ms=plain_ms, shadow=True)
+  window = control.max_plain_rounds if control is not None else 0
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
     if control is not None:   # a later run may back off to plain rounds where the warm-up's few tokens did not
-      plain_rounds(spec, inp, jax.tree_util.tree_map(jnp.copy, carry), jnp.int32(0))
+      plain_segment(spec, inp, jax.tree_util.tree_map(jnp.copy, carry), jnp.int32(0), window=window)
   first = np.asarray(carry.state.last)
   histories = [list(p) + [int(first[i])] for i, p in enumerate(prompts)]
   done = np.asarray(carry.state.done)
@@ -162,17 +168,47 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     s_tok, s_len, _ = drafter.propose(histories, control.shadow_lengths(n_max, live))
     return np.asarray(s_tok, np.int32).reshape(b, -1), np.minimum(np.asarray(s_len, np.int32), n_max)
 
-  draft_seconds = 0.0
-  while not done.all():
+  # Plain segments are pipelined while the shadow drafts match nothing: the next one is queued
+  # behind the one on the device before the host waits for that one, so the device does not idle
+  # while the host reads a segment's tokens, compares its shadow draft and drafts the next. The
+  # controller then decides one segment behind (the tokens of the segment on the device are not in
+  # `histories` yet); once a shadow draft matches, drafting may pay soon, and the host waits for
+  # each segment before deciding, so it turns to drafting without that lag.
+  draft_seconds, pending, t_free, matching = 0.0, None, 0.0, True    # the first segment is waited for
+  while not (done.all() and pending is None):
     t0 = time.perf_counter()
+    if pending is not None and matching:
+      done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+      pending = None
+      continue
     remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
-    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, ~done, remaining)
+    live = ~done
+    if pending is not None:
+      remaining = remaining - pending.rounds              # what is left after the segment on the device
+      live = live & (remaining > 0)
+      if not live.any():                                  # all done once it is: nothing more to queue
+        done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+        pending = None
+        continue
+    asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, live, np.maximum(remaining, 1))
     if control is not None and not asked.any():
-      carry, done, shadow_s = _plain_segment(spec, inp, carry, control, histories, done,
-                                             shadow_draft if control.shadow else None)
+      rounds = min(control.plain_rounds_ahead(), window)
+      carry, out = plain_segment(spec, inp, carry, jnp.int32(rounds), window=window)   # queued, not waited for
+      seg = _Segment(out=out, rounds=rounds, live=live, t_dispatch=time.perf_counter())
+      if pending is not None:
+        done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+      if control.shadow:
+        t_s = time.perf_counter()
+        seg.drafted = shadow_draft(seg.live)        # from the tokens before `seg`, while the device runs it
+        draft_seconds += time.perf_counter() - t_s
       begin()
       drafter.accept(np.zeros(b, np.int32), verified=np.zeros(b, bool))
-      draft_seconds += shadow_s
+      pending = seg
+      continue
+    if pending is not None:    # a drafted round needs the tokens so far: the segment first, then decide again
+      done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+      control.retract()
+      pending = None
       continue
     begin()
     d_tok, d_len, _ = drafter.propose(histories, asked)

@@ -54,3 +54,18 @@ def plain_rounds(spec: RoundSpec, inp: RoundInputs, carry: Carry, rounds) -> tup
   None; the host loop's `inp`, whose weights may be `PackedTree`s); -> (carry, rounds run)."""
   inp = dataclasses.replace(inp, params=unpack(inp.params), dparams=unpack(inp.dparams))
   return rounds_at(dataclasses.replace(spec, width=0), inp, rounds, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "window"), donate_argnames=("carry",))
+def plain_segment(spec: RoundSpec, inp: RoundInputs, carry: Carry, rounds, *, window: int):
+  """`plain_rounds` (`rounds` <= `window`, static) and what the host reads of it, computed into
+  arrays of their own (none is a carry leaf), so they stay readable after the carry is donated to
+  the next call: the host loop queues the next segment before it waits for this one.
+  -> (carry, (tokens made [B, window] (the first n_made of each row), n_made [B], live [B] (not
+  done), rounds run []))."""
+  before = carry.state.hist_len
+  carry, ran = plain_rounds(spec, inp, carry, rounds)
+  history = carry.state.history
+  cols = jnp.minimum(before[:, None] + jnp.arange(window)[None, :], history.shape[1] - 1)   # [B, window]
+  made = jnp.take_along_axis(history, cols, axis=1)
+  return carry, (made, carry.state.hist_len - before, ~carry.state.done, ran)
