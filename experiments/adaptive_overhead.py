@@ -69,6 +69,8 @@ def main():
   ap.add_argument("--short", type=int, default=32)
   ap.add_argument("--long", type=int, default=160)
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--capacity", type=int, nargs="+", default=[512],
+                  help="KV cache slots (a cost that grows with them shows here; the bench runs 2048)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   if args.tiny:
@@ -77,14 +79,13 @@ def main():
     target = random_target(RANDOM_SHAPES["smollm2"], "smollm2 shapes (random)")
   cfg, params = target.cfg, target.params
   rows = []
-  for b in args.batch:
+  for b, cap in ((b, c) for b in args.batch for c in args.capacity):
     rng = np.random.default_rng(0)
     toks, lens = pad_prompts([list(rng.integers(1, cfg.vocab_size - 1, 60)) for _ in range(b)])
     for name in args.speculators:
       sspec = speculator_spec.get(name)
       drafter = sspec.build(target, draft_params=DraftParams(n_max=4), **sspec.example(target, Path("/tmp")))
       dp = {k: jnp.asarray(a) for k, a in DraftParams(n_max=4).arrays(b, 4).items()}
-      cap = 512
       inp = RoundInputs(params=params, dparams=drafter.params(), sampling=SamplingParams.make(b), dp=dp,
                         stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 10_000, jnp.int32))
       spec = RoundSpec(cfg=cfg, drafter=drafter)
@@ -96,7 +97,7 @@ def main():
                            cfg=cfg)
         jax.block_until_ready(out.hist_len)
 
-      row = {"batch": b, "speculator": name}
+      row = {"batch": b, "capacity": cap, "speculator": name}
       row["plain_ms"], row["plain_call_ms"] = per_round_ms(plain, args.short, args.long, args.repeats)
       for seg in args.segments:
         ac = adapt.AdaptiveConfig(segment_rounds=seg, explore_every=10 ** 6)

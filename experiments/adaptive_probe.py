@@ -1,8 +1,10 @@
 """Where an adaptive speculator's time goes beside plain decoding, batch by batch: for each method of a
 bench config, on the config's first batches of prompts, the whole call (as the benchmark times it)
 split into the prefill (waited for) and the rest, for the method as configured, pinned to width 0
-(adaptive with the width-0 rung only: every fixed cost of the adaptive path, no drafting) and, for
-device drafters, the fixed (non-adaptive) loop; plain decoding's split beside them. Minimum and median
+(adaptive with the width-0 rung only: every fixed cost of the adaptive path, no drafting), held at
+width 0 in the program of every width (`width0_all`: given costs that make width 0 win and no
+exploring rounds, so the rounds run where the configured run's width-0 rounds run) and, for device
+drafters, the fixed (non-adaptive) loop; plain decoding's split beside them. Minimum and median
 over `--repeats` timed calls after one warm-up per variant (which compiles and times round costs).
 
   python experiments/adaptive_probe.py --config configs/bench_adaptive_heads_smollm2_b8.yaml --batches 1 --out /tmp/probe.json
@@ -45,7 +47,8 @@ def main():
   ap.add_argument("--batches", type=int, default=1, help="the config's first N batches")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--methods", nargs="*", help="only these methods of the config (names)")
-  ap.add_argument("--variants", nargs="+", default=["configured", "width0"], choices=["configured", "width0", "fixed"],
+  ap.add_argument("--variants", nargs="+", default=["configured", "width0"],
+                  choices=["configured", "width0", "width0_all", "fixed"],
                   help="each compiles its own program (~1 min per method on a GPU)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
@@ -80,6 +83,9 @@ def main():
       variants = {"configured": runner.adaptive}
       if runner.adaptive is not None:
         variants["width0"] = dataclasses.replace(runner.adaptive, widths=(0,))
+        n = len(runner.adaptive.widths_for(runner.drafter.max_draft, tree=runner.drafter.proposes_tree))
+        variants["width0_all"] = dataclasses.replace(runner.adaptive, costs=tuple(1.0 + 1e3 * i for i in range(n)),
+                                                     explore_rounds=0)
       if runner.drafter.on_device:
         variants["fixed"] = None
       variants = {k: v for k, v in variants.items() if k in args.variants}

@@ -429,8 +429,10 @@ def test_host_loop_queues_the_next_plain_segment_while_shadow_drafts_find_nothin
   cfg, params = tiny_llama
   events = []
   real_plain, real_finish = host_loop_module.plain_segment, host_loop_module._finish_segment
-  monkeypatch.setattr(host_loop_module, "plain_segment", lambda *a, **kw: (events.append("D"), real_plain(*a, **kw))[1])
-  monkeypatch.setattr(host_loop_module, "_finish_segment", lambda *a, **kw: (events.append("F"), real_finish(*a, **kw))[1])
+  def recorded(event, real):
+    return lambda *a, **kw: (events.append(event), real(*a, **kw))[1]
+  monkeypatch.setattr(host_loop_module, "plain_segment", recorded("D", real_plain))
+  monkeypatch.setattr(host_loop_module, "_finish_segment", recorded("F", real_finish))
 
   class NoDrafts(NgramSimple):
     def propose(self, histories, n_max):

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from specjax.engine.decode import generate_plain
 from specjax.drafters.suffix import SuffixDecoding, SuffixTrie, best_draft, greedy_path
@@ -41,12 +41,13 @@ def check_walk(seqs, context_m, tokens, score, max_tokens, max_depth, min_prob):
   if len(tokens) < max_tokens and len(path) < max_depth:      # stopped early: no child, or too unlikely
     kids = [brute_count(seqs, path + [c]) for c in {x for q in seqs for x in q}]
     best = max(kids, default=0)
-    assert best == 0 or prob * best / brute_count(seqs, path) < min_prob
+    assert best == 0 or prob * best / brute_count(seqs, path) < min_prob + 1e-9   # (rounding at the boundary)
 
 
 @settings(max_examples=80, deadline=None)
 @given(seqs=st.lists(st.lists(st.integers(0, 2), min_size=3, max_size=40), min_size=1, max_size=4),
        depth=st.integers(2, 6), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+@example(seqs=[[0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 0], [0, 1, 1]], depth=3, min_prob=0.4)   # p = 2/3 * 6/10
 def test_trie_counts_and_walks_match_brute_force(seqs, depth, min_prob):
   trie = SuffixTrie(depth)
   lists = [list(q) for q in seqs]
