@@ -109,9 +109,8 @@ def main():
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         (Path(args.dump) / f"{label}_cap{cap}.hlo.txt").write_text(hlo)
       row[label] = summary(hlo)
-      print(json.dumps({"capacity": cap, "program": label, **{kk: row[label][kk] for kk in
-                                                              ("while_loops", "copy_bytes_in_loop_bodies", "largest")}}),
-            flush=True)
+      brief = {kk: row[label][kk] for kk in ("while_loops", "copy_bytes_in_loop_bodies", "largest")}
+      print(json.dumps({"capacity": cap, "program": label, **brief}), flush=True)
     rows.append(row)
   result = {"what": "copies at the top level of the while loop bodies of the compiled programs", "model": target.name,
             "speculator": args.speculator, "git_revision": git_revision(), "device": device_info(), "args": vars(args),
