@@ -1,7 +1,7 @@
 """Copies in the compiled adaptive program's loops: for a speculator at batch B and a cache capacity,
 the optimized HLO of plain decoding's loop and of the adaptive program with the width-0 rung alone
 and with the whole width ladder, and in each the `copy` / `copy-start` instructions of every while
-loop's body (not inside fusions) with their bytes. A copy of KV-cache-sized loop state in a step
+loop's body (not inside fusions) with their bytes, and the ops there with outputs of >= 1 MB. A copy of KV-cache-sized loop state in a step
 loop's body is paid every step: it would show as bytes that grow with the capacity.
 
   python experiments/adaptive_hlo.py --tiny --out /tmp/adaptive_hlo.json                                      # CPU
@@ -40,10 +40,19 @@ BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "
 HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 WHILE = re.compile(r"while\(.*body=%?([\w.\-]+)")
 COPY = re.compile(r"=\s+(\w+)\[([\d,]*)\][^ ]*\s+(copy|copy-start)\(")
+OP = re.compile(r"=\s+(\w+)\[([\d,]*)\][^ ]*\s+([\w\-]+)\(")
+LARGE = 1 << 20          # an op writing this many bytes per loop iteration is worth a look
+NO_DATA = {"get-tuple-element", "parameter", "tuple", "bitcast", "constant"}   # ops that move no bytes
 
 
-def loop_copies(hlo: str) -> dict:
-  """{while body: [[bytes, shape], ...]} of the copies at the top level of every while body."""
+def _bytes(dtype: str, dims: str) -> int:
+  return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * BYTES.get(dtype, 4)
+
+
+def loop_copies(hlo: str, large: bool = False) -> dict:
+  """{while body: [[bytes, shape], ...]} of the copies at the top level of every while body (`large`:
+  of every op there whose output is >= LARGE bytes, named by opcode: an update XLA could not do in
+  place writes a whole cache-sized buffer)."""
   comps, name = {}, None
   for line in hlo.splitlines():
     m = HEADER.match(line)
@@ -57,19 +66,19 @@ def loop_copies(hlo: str) -> dict:
   for body in sorted(bodies):
     found = []
     for ln in comps.get(body, []):
-      m = COPY.search(ln)
-      if m:
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        found.append([int(np.prod(dims, dtype=np.int64)) * BYTES.get(m.group(1), 4), f"{m.group(1)}[{m.group(2)}]"])
+      m = (OP if large else COPY).search(ln)
+      if m and (not large or (m.group(3) not in NO_DATA and _bytes(m.group(1), m.group(2)) >= LARGE)):
+        found.append([_bytes(m.group(1), m.group(2)), f"{m.group(3)} {m.group(1)}[{m.group(2)}]"])
     out[body] = sorted(found, reverse=True)
   return out
 
 
 def summary(hlo: str) -> dict:
-  copies = loop_copies(hlo)
+  copies, large = loop_copies(hlo), loop_copies(hlo, large=True)
   return {"while_loops": len(copies), "copy_bytes_in_loop_bodies": int(sum(b for c in copies.values() for b, _ in c)),
           "largest": sorted((c for cs in copies.values() for c in cs), reverse=True)[:8],
-          "by_body": {k: v[:6] for k, v in copies.items() if v}}
+          "by_body": {k: v[:6] for k, v in copies.items() if v},
+          "large_outputs_by_body": {k: v[:12] for k, v in large.items() if v}}
 
 
 def main():
