@@ -141,3 +141,25 @@ def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target
       jnp.int32(m), rounds_max=rounds_max, masks=masks)
   assert [list(r[:m]) for r in np.asarray(new)] == [plain[2][1:], plain[0][1:]]
   assert np.array_equal(propose(state, dstate)[np.asarray(rows)], propose(want.state, want.dstate)[np.asarray(rows)])
+
+
+def test_no_exploring_segment_when_the_batch_is_nearly_done(target, tmp_path):
+  """Adaptive MTP (acceptance estimated from verified drafts, refreshed by exploring segments at the
+  widest width): with width 0 far cheaper, an exploring segment is due every third segment, but the
+  one that would start with fewer than explore_rounds + segment_rounds tokens left to every sequence
+  is skipped (its knowledge could change at most one more segment), so the rounds after the first
+  exploring segment all run at width 0; output identical to plain decoding's. With tokens to spare
+  the later exploring segment still runs."""
+  from specjax.engine import adaptive as adapt, speculative_generate
+  from specjax.engine.decode import generate_plain
+  spec = speculator_spec.get("mtp")
+  d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
+  ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 50.0, 100.0), segment_rounds=4, explore_rounds=2,
+                            explore_every=3)
+  for max_new, late_explore in ((16, False), (40, True)):
+    res = speculative_generate(target.params, target.cfg, PROMPTS, d, max_new_tokens=max_new,
+                               draft_params=DraftParams(n_max=3), adaptive=ac)
+    assert res.tokens == generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=max_new).tokens
+    segs = res.stats.adaptive["segments"]
+    assert segs[0] == [3, ac.explore_rounds] and segs[1][0] == 0, segs
+    assert any(w == 3 for w, _ in segs[1:]) == late_explore, (max_new, segs)

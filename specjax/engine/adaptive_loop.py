@@ -89,6 +89,10 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
     wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac)
     span = to_explore
   else:
+    # an exploring segment informs the choices after it: none once every live sequence would be done
+    # within a segment after it (it would cost its wide rounds and change at most one segment)
+    explore = explore & ((ctl.segment == 0) |
+                         (jnp.max(jnp.where(live, remaining, 0)) > ac.explore_rounds + ac.segment_rounds))
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
