@@ -476,7 +476,7 @@ def test_host_loop_warm_up_compiles_the_plain_segment(tiny_llama):
   speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=2, warm_widths=True,
                        **learned)
   assert len(host_loop_module._PLAIN_MS) == timed_before + 1
-  compiled = cache_sizes()           # the segment's token window is shadow_rounds: this warm-up compiled it
+  compiled = cache_sizes()           # the segment's token window follows shadow_rounds: this warm-up compiled it
   res = speculative_generate(params, cfg, PROMPTS3, NgramSimple(size_n=1, size_m=K), max_new_tokens=MAX_NEW, **learned)
   assert len(host_loop_module._PLAIN_MS) == timed_before + 1 and cache_sizes() == compiled
   assert res.tokens == generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens

@@ -407,7 +407,7 @@ class HostController:
   @property
   def max_plain_rounds(self) -> int:
     """The most rounds `plain_rounds_ahead` asks for (the host loop's segment window, static)."""
-    return max(self.ac.shadow_rounds, 1) if self.shadow else self.ac.explore_every * self.ac.segment_rounds
+    return self.ac.shadow_rounds if self.shadow else self.ac.explore_every * self.ac.segment_rounds
 
   def plain_rounds_ahead(self) -> int:
     """After `lengths` asked no sequence for a draft: the rounds from that one up to the next

@@ -86,10 +86,8 @@ def _finish_segment(seg: _Segment, control, histories, t_free: float) -> tuple[n
   if seg.drafted is not None:
     tokens, lengths = seg.drafted
     asked = np.minimum(lengths, n_made)                                            # [B] positions the segment made
-    k, w = tokens.shape[1], min(tokens.shape[1], made.shape[1])
-    made_k = np.full(tokens.shape, -1, made.dtype)
-    made_k[:, :w] = made[:, :w]                           # asked <= n_made <= the window: columns past it never count
-    hit = (tokens == made_k) | (np.arange(k)[None, :] >= asked[:, None])
+    k = tokens.shape[1]                                   # <= the window (`host_loop`)
+    hit = (tokens == made[:, :k]) | (np.arange(k)[None, :] >= asked[:, None])
     matched = np.minimum(np.argmin(np.concatenate([hit, np.zeros_like(hit[:, :1])], axis=1), axis=1), asked)
     control.observe_shadow(asked, matched, seg.live & (asked > 0))
     return ~live_after, t_end, bool(np.any(matched[seg.live] > 0))
@@ -145,7 +143,8 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
     # width 0 runs as plain decoding steps on the device, not as host rounds: its cost is a step's
     plain_ms = _plain_step_ms(spec, inp, carry, key) if adaptive.costs is None else None
     control = adapt.HostController(adaptive, b, k, costs, plain_ms=plain_ms, shadow=True)
-  window = control.max_plain_rounds if control is not None else 0
+  # tokens a plain segment returns: its most rounds, and at least a shadow draft's K to compare with
+  window = max(control.max_plain_rounds, k) if control is not None else 0
   if warm_widths:
     _warm_widths(spec, inp, carry, k, n_max)
     if control is not None:   # a later run may back off to plain rounds where the warm-up's few tokens did not
@@ -175,11 +174,17 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
   # `histories` yet); once a shadow draft matches, drafting may pay soon, and the host waits for
   # each segment before deciding, so it turns to drafting without that lag.
   draft_seconds, pending, t_free, matching = 0.0, None, 0.0, True    # the first segment is waited for
+
+  def finish():
+    """Wait for the pending segment and take in its tokens."""
+    nonlocal done, t_free, matching, pending
+    done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+    pending = None
+
   while not (done.all() and pending is None):
     t0 = time.perf_counter()
     if pending is not None and matching:
-      done, t_free, matching = _finish_segment(pending, control, histories, t_free)
-      pending = None
+      finish()
       continue
     remaining = max_new - np.asarray([len(h) - len(p) for h, p in zip(histories, prompts)])
     live = ~done
@@ -187,8 +192,7 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
       remaining = remaining - pending.rounds              # what is left after the segment on the device
       live = live & (remaining > 0)
       if not live.any():                                  # all done once it is: nothing more to queue
-        done, t_free, matching = _finish_segment(pending, control, histories, t_free)
-        pending = None
+        finish()
         continue
     asked = np.where(done, 0, n_max) if control is None else control.lengths(n_max, live, np.maximum(remaining, 1))
     if control is not None and not asked.any():
@@ -196,7 +200,7 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
       carry, out = plain_segment(spec, inp, carry, jnp.int32(rounds), window=window)   # queued, not waited for
       seg = _Segment(out=out, rounds=rounds, live=live, t_dispatch=time.perf_counter())
       if pending is not None:
-        done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+        finish()
       if control.shadow:
         t_s = time.perf_counter()
         seg.drafted = shadow_draft(seg.live)        # from the tokens before `seg`, while the device runs it
@@ -206,9 +210,8 @@ def host_loop(spec: RoundSpec, inp: RoundInputs, drafter, prompts, tokens, lens,
       pending = seg
       continue
     if pending is not None:    # a drafted round needs the tokens so far: the segment first, then decide again
-      done, t_free, matching = _finish_segment(pending, control, histories, t_free)
+      finish()
       control.retract()
-      pending = None
       continue
     begin()
     d_tok, d_len, _ = drafter.propose(histories, asked)

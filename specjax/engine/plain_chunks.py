@@ -50,14 +50,13 @@ def chunk_steps(spec: RoundSpec) -> int:
   return max(w, PLAIN_CHUNK_STEPS) if spec.drafter.long_chunks else w
 
 
-def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0,
-                 chunk: int | None = None):
+def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0):
   """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
-  chunks of up to `chunk` (static; default `chunk_steps(spec)`), the drafter caught up after each.
+  chunks of up to `chunk_steps(spec)`, the drafter caught up after each.
   -> (carry, rounds each sequence was live in [B], rounds run []), and with `log_rounds` > 0
   (static; `rounds` <= it) the tokens each step emitted [log_rounds, B] (a server's per-round counts)."""
   drafter = spec.drafter
-  chunk = chunk or chunk_steps(spec)
+  chunk = chunk_steps(spec)
   b = carry.state.last.shape[0]
   step_tapped = lambda s: decode_step_tapped(inp.params, spec.cfg, s, inp.sampling, inp.stop_ids, inp.max_new,
                                              taps=spec.taps)
