@@ -73,12 +73,28 @@ def loop_copies(hlo: str, large: bool = False) -> dict:
   return out
 
 
+def ops_per_body(hlo: str) -> dict:
+  """{while body: instructions at its top level that do work (fusions, custom calls, copies, ...)}: a
+  loop body compiled with more of them launches more kernels every iteration."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    m = HEADER.match(line)
+    if m and not line.startswith(" "):
+      name = m.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  bodies = {m.group(1) for lines in comps.values() for ln in lines for m in [WHILE.search(ln)] if m}
+  count = lambda lines: sum(1 for ln in lines for m in [OP.search(ln)] if m and m.group(3) not in NO_DATA)
+  return {body: count(comps.get(body, [])) for body in sorted(bodies)}
+
+
 def summary(hlo: str) -> dict:
   copies, large = loop_copies(hlo), loop_copies(hlo, large=True)
   return {"while_loops": len(copies), "copy_bytes_in_loop_bodies": int(sum(b for c in copies.values() for b, _ in c)),
           "largest": sorted((c for cs in copies.values() for c in cs), reverse=True)[:8],
           "by_body": {k: v[:6] for k, v in copies.items() if v},
-          "large_outputs_by_body": {k: v[:12] for k, v in large.items() if v}}
+          "large_outputs_by_body": {k: v[:12] for k, v in large.items() if v}, "ops_by_body": ops_per_body(hlo)}
 
 
 def main():
