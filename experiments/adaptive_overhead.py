@@ -5,7 +5,10 @@ ms per round falling with the segment length). Times are differences of a long a
 generation (the per-call costs and the prefill drop out), median of `--repeats`; beside each, the
 per-call cost (`*_call_ms`: the short run less its tokens at that rate), which a program's fixed
 work per call (a command buffer updated for the call's buffers, a first entry into each loop) adds
-to every request whatever its length.
+to every request whatever its length. Beside the program of every width, the program of width 0
+alone (`width0_alone_ms`). `--trace`: each of the three programs' `--long` run once more under the
+profiler, kernels per token, device-busy time, gaps and the top kernels (`profile_decode_trace`), so
+a program whose width-0 step costs more shows where: more kernels, copies, or the device waiting.
 
   python experiments/adaptive_overhead.py --tiny --out /tmp/adaptive_overhead.json                  # CPU
   OUT=... bash experiments/gpu/bootstrap.sh python3 experiments/adaptive_overhead.py --out $OUT/adaptive_overhead.json
@@ -15,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import gzip
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_decode_trace import device_events, summarize  # noqa: E402
 from sharding_bench import RANDOM_SHAPES, random_target  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters import speculator_spec  # noqa: E402
@@ -60,6 +67,26 @@ def per_round_ms(run, short: int, long: int, repeats: int) -> tuple[float, float
   return float(np.median(per_token)), float(np.median(per_call))
 
 
+def trace_run(run, tokens: int) -> dict:
+  """`run(tokens)` once under the profiler: per-token kernel figures (`profile_decode_trace.summarize`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      run(tokens)
+      seconds = time.perf_counter() - t0
+    files = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True))
+    if not files:
+      return {"error": "no trace written"}
+    with gzip.open(files[-1], "rt") as f:
+      kernels = device_events(json.load(f))
+  if not kernels:
+    return {"error": "no device events (CPU backend)"}
+  out = summarize(kernels, tokens, seconds, 15)
+  print(f"[trace] {out['wall_ms_per_step']:.3f} ms/token wall, busy {out['busy_ms_per_step']:.3f}, "
+        f"{out['kernels_per_step']} kernels/token, gaps {out['gap_us']['sum_ms_per_step']:.3f} ms/token", flush=True)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--tiny", action="store_true", help="a tiny float32 model (CPU)")
@@ -71,6 +98,7 @@ def main():
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--capacity", type=int, nargs="+", default=[512],
                   help="KV cache slots (a cost that grows with them shows here; the bench runs 2048)")
+  ap.add_argument("--trace", action="store_true", help="trace each program's long run (a GPU)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   if args.tiny:
@@ -99,6 +127,15 @@ def main():
 
       row = {"batch": b, "capacity": cap, "speculator": name}
       row["plain_ms"], row["plain_call_ms"] = per_round_ms(plain, args.short, args.long, args.repeats)
+      traced = {"plain": plain}
+      alone = adapt.AdaptiveConfig(widths=(0,), segment_rounds=args.segments[0], explore_every=10 ** 6)
+
+      def alone_run(n):
+        out = adaptive_run(spec, inp, copy(carry), jnp.ones((1,), jnp.float32), jnp.int32(0), jnp.int32(n), ac=alone)
+        jax.block_until_ready(out[1][3])
+
+      row["width0_alone_ms"], row["width0_alone_call_ms"] = per_round_ms(alone_run, args.short, args.long, args.repeats)
+      traced["width0_alone"] = alone_run
       for seg in args.segments:
         ac = adapt.AdaptiveConfig(segment_rounds=seg, explore_every=10 ** 6)
         widths = ac.widths_for(drafter.max_draft)
@@ -113,6 +150,10 @@ def main():
 
           key = "width0_pinned_ms" if mode == "pinned" else f"width0_segments_of_{seg}_ms"
           row[key], row[key.replace("_ms", "_call_ms")] = per_round_ms(spec_run, args.short, args.long, args.repeats)
+          if mode == "pinned":
+            traced["width0_all_widths"] = spec_run
+      if args.trace:
+        row["trace"] = {label: trace_run(run, args.long) for label, run in traced.items()}
       print(json.dumps(row), flush=True)
       rows.append(row)
   result = {"what": "ms per token and per call: plain decode loop vs the adaptive program at width 0", "model": target.name,
