@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import gzip
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode_trace import device_events, summarize  # noqa: E402
+from profile_decode_trace import summarize, trace_call  # noqa: E402
 from sharding_bench import RANDOM_SHAPES, random_target  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters import speculator_spec  # noqa: E402
@@ -69,18 +66,9 @@ def per_round_ms(run, short: int, long: int, repeats: int) -> tuple[float, float
 
 def trace_run(run, tokens: int) -> dict:
   """`run(tokens)` once under the profiler: per-token kernel figures (`profile_decode_trace.summarize`)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      t0 = time.perf_counter()
-      run(tokens)
-      seconds = time.perf_counter() - t0
-    files = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True))
-    if not files:
-      return {"error": "no trace written"}
-    with gzip.open(files[-1], "rt") as f:
-      kernels = device_events(json.load(f))
+  seconds, kernels = trace_call(lambda: run(tokens))
   if not kernels:
-    return {"error": "no device events (CPU backend)"}
+    return {"error": "no device events (a CPU backend records none)"}
   out = summarize(kernels, tokens, seconds, 15)
   print(f"[trace] {out['wall_ms_per_step']:.3f} ms/token wall, busy {out['busy_ms_per_step']:.3f}, "
         f"{out['kernels_per_step']} kernels/token, gaps {out['gap_us']['sum_ms_per_step']:.3f} ms/token", flush=True)

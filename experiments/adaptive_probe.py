@@ -18,16 +18,21 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from specjax.bench.config import DEFAULT_CAPACITY, load_config
-from specjax.bench.env import device_info, git_revision
-from specjax.bench.harness import load_questions, load_target
-from specjax.bench.runner import Runner, _encode, _messages
-from specjax.bench.timing import heap_frozen
-from specjax.engine import speculative_generate
-from specjax.engine.decode import generate_plain
-from specjax.engine.sampling import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_decode_trace import summarize, trace_call  # noqa: E402
+
+from specjax.bench.config import DEFAULT_CAPACITY, load_config  # noqa: E402
+from specjax.bench.env import device_info, git_revision  # noqa: E402
+from specjax.bench.harness import load_questions, load_target  # noqa: E402
+from specjax.bench.runner import Runner, _encode, _messages  # noqa: E402
+from specjax.bench.timing import heap_frozen  # noqa: E402
+from specjax.engine import speculative_generate  # noqa: E402
+from specjax.engine.decode import generate_plain  # noqa: E402
+from specjax.engine.sampling import SamplingParams  # noqa: E402
 
 
 def summary(calls: list[tuple[float, float | None]]) -> dict:
@@ -41,6 +46,14 @@ def summary(calls: list[tuple[float, float | None]]) -> dict:
   return out
 
 
+def traced(fn, rounds: int) -> dict:
+  """One call of `fn` under the profiler, per round of the batch (`profile_decode_trace.summarize`)."""
+  seconds, kernels = trace_call(fn)
+  if not kernels:
+    return {"error": "no device events (a CPU backend records none)"}
+  return summarize(kernels, max(rounds, 1), seconds, 15)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", required=True, help="a `specjax bench` config (target, prompts, batch size, methods)")
@@ -50,6 +63,9 @@ def main():
   ap.add_argument("--variants", nargs="+", default=["configured", "width0"],
                   choices=["configured", "width0", "width0_all", "fixed"],
                   help="each compiles its own program (~1 min per method on a GPU)")
+  ap.add_argument("--trace", action="store_true",
+                  help="one more call of plain decoding and of each variant under the profiler (a GPU): kernels "
+                       "per round, device-busy time, the gaps where the device waits, the top kernels")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   cfg = load_config(args.config)
@@ -76,6 +92,8 @@ def main():
 
     plain(min(cfg.max_new_tokens, 16))
     base = summary([plain(cfg.max_new_tokens) for _ in range(args.repeats)])
+    if args.trace:
+      base["trace"] = traced(lambda: plain(cfg.max_new_tokens), cfg.max_new_tokens)
     row = {"batch": start // cfg.batch_size, "questions": [q.question_id for q in batch], "plain": base}
     print(json.dumps({"batch": row["batch"], "plain": base}), flush=True)
     for m in methods:
@@ -112,6 +130,9 @@ def main():
         out[name] = {**summary(calls), "tau": st.tau, "rounds": max(st.per_seq_rounds),
                      "segments": (st.adaptive or {}).get("segments"), "costs_ms": (st.adaptive or {}).get("costs_ms")}
         out[name]["x_plain"] = base["total_ms_min"] / out[name]["total_ms_min"]
+        if args.trace:
+          runner._restore(snap)
+          out[name]["trace"] = traced(lambda: call(cfg.max_new_tokens), out[name]["rounds"])
       row[m.name] = out
       print(json.dumps({"batch": row["batch"], m.name: {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv)
                                                            for kk, vv in v.items() if kk != "costs_ms"}

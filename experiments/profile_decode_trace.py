@@ -158,6 +158,23 @@ def traced_generation(run, trace_dir: Path) -> tuple[float, list[dict], Path]:
   return seconds, device_events(trace), Path(files[-1])
 
 
+def trace_call(fn) -> tuple[float, list[dict]]:
+  """`fn()` once under the profiler: (its wall seconds, the trace's device events; none on a CPU)."""
+  import time
+
+  import jax
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      fn()
+      seconds = time.perf_counter() - t0
+    files = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True))
+    if not files:
+      return seconds, []
+    with gzip.open(files[-1], "rt") as f:
+      return seconds, device_events(json.load(f))
+
+
 def plot(rows: list[dict], path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
