@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode_trace import summarize, trace_call  # noqa: E402
+from profile_decode_trace import keep_command_buffers_when_traced, summarize, trace_call  # noqa: E402
 from sharding_bench import RANDOM_SHAPES, random_target  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters import speculator_spec  # noqa: E402
@@ -89,6 +89,8 @@ def main():
   ap.add_argument("--trace", action="store_true", help="trace each program's long run (a GPU)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
+  if args.trace:
+    keep_command_buffers_when_traced()
   if args.tiny:
     target = random_target(TINY, "tiny (random)", dtype=jnp.float32)
   else:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode_trace import summarize, trace_call  # noqa: E402
+from profile_decode_trace import keep_command_buffers_when_traced, summarize, trace_call  # noqa: E402
 
 from specjax.bench.config import DEFAULT_CAPACITY, load_config  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
@@ -68,6 +68,8 @@ def main():
                        "per round, device-busy time, the gaps where the device waits, the top kernels")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
+  if args.trace:
+    keep_command_buffers_when_traced()
   cfg = load_config(args.config)
   questions = load_questions(cfg)
   target = load_target(cfg)

@@ -27,6 +27,7 @@ import argparse
 import glob
 import gzip
 import json
+import os
 import re
 import shutil
 import statistics
@@ -158,6 +159,14 @@ def traced_generation(run, trace_dir: Path) -> tuple[float, list[dict], Path]:
   return seconds, device_events(trace), Path(files[-1])
 
 
+def keep_command_buffers_when_traced() -> None:
+  """Under a profiler session XLA runs command buffers op by op unless told otherwise, which would
+  time a different program; the flag is read when the backend starts (before the first computation)."""
+  flag = "--xla_enable_command_buffers_during_profiling=true"
+  if flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
 def trace_call(fn) -> tuple[float, list[dict]]:
   """`fn()` once under the profiler: (its wall seconds, the trace's device events; none on a CPU)."""
   import time
@@ -220,6 +229,7 @@ def main(argv=None) -> int:
                   help="write each batch's compiled decode loop (HLO text, gzipped) beside the JSON")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
+  keep_command_buffers_when_traced()
 
   import jax.numpy as jnp
   import numpy as np
