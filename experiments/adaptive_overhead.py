@@ -97,6 +97,12 @@ def main():
     target = random_target(RANDOM_SHAPES["smollm2"], "smollm2 shapes (random)")
   cfg, params = target.cfg, target.params
   rows = []
+
+  def save(rows):
+    result = {"what": "ms per token and per call: plain decode loop vs the adaptive program at width 0",
+              "model": target.name, "git_revision": git_revision(), "device": device_info(), "args": vars(args),
+              "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
   for b, cap in ((b, c) for b in args.batch for c in args.capacity):
     rng = np.random.default_rng(0)
     toks, lens = pad_prompts([list(rng.integers(1, cfg.vocab_size - 1, 60)) for _ in range(b)])
@@ -146,9 +152,7 @@ def main():
         row["trace"] = {label: trace_run(run, args.long) for label, run in traced.items()}
       print(json.dumps(row), flush=True)
       rows.append(row)
-  result = {"what": "ms per token and per call: plain decode loop vs the adaptive program at width 0", "model": target.name,
-            "git_revision": git_revision(), "device": device_info(), "args": vars(args), "rows": rows}
-  Path(args.out).write_text(json.dumps(result, indent=1))
+      save(rows)      # after each row: a run cut by a time limit keeps the rows it finished
 
 
 if __name__ == "__main__":

@@ -76,6 +76,12 @@ def main():
   methods = [m for m in cfg.methods if not args.methods or m.name in args.methods]
   s = cfg.sampling
   rows = []
+
+  def save(rows):
+    result = {"what": "ms per batch call: whole, prefill, after prefill; as configured, pinned at width 0, fixed loop",
+              "config": args.config, "git_revision": git_revision(), "device": device_info(), "args": vars(args),
+              "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
   for start in range(0, min(len(questions), args.batches * cfg.batch_size), cfg.batch_size):
     batch = questions[start: start + cfg.batch_size]
     prompts = [_encode(cfg, target.tokenizer, _messages(q, [], 0)) for q in batch]
@@ -97,6 +103,8 @@ def main():
     if args.trace:
       base["trace"] = traced(lambda: plain(cfg.max_new_tokens), cfg.max_new_tokens)
     row = {"batch": start // cfg.batch_size, "questions": [q.question_id for q in batch], "plain": base}
+    rows.append(row)
+    save(rows)
     print(json.dumps({"batch": row["batch"], "plain": base}), flush=True)
     for m in methods:
       runner = Runner(cfg, target, m, {})
@@ -135,15 +143,11 @@ def main():
         if args.trace:
           runner._restore(snap)
           out[name]["trace"] = traced(lambda: call(cfg.max_new_tokens), out[name]["rounds"])
-      row[m.name] = out
+        row[m.name] = out
+        save(rows)    # after each variant: a run cut by a time limit keeps what it finished
       print(json.dumps({"batch": row["batch"], m.name: {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv)
                                                            for kk, vv in v.items() if kk != "costs_ms"}
                                                        for k, v in out.items()}}), flush=True)
-    rows.append(row)
-  result = {"what": "ms per batch call: whole, prefill, after prefill; as configured, pinned at width 0, fixed loop",
-            "config": args.config, "git_revision": git_revision(), "device": device_info(), "args": vars(args),
-            "rows": rows}
-  Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
