@@ -49,10 +49,8 @@ def _bytes(dtype: str, dims: str) -> int:
   return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * BYTES.get(dtype, 4)
 
 
-def loop_copies(hlo: str, large: bool = False) -> dict:
-  """{while body: [[bytes, shape], ...]} of the copies at the top level of every while body (`large`:
-  of every op there whose output is >= LARGE bytes, named by opcode: an update XLA could not do in
-  place writes a whole cache-sized buffer)."""
+def loop_bodies(hlo: str) -> dict[str, list[str]]:
+  """{while body name: its top-level instruction lines} of every while loop in the module."""
   comps, name = {}, None
   for line in hlo.splitlines():
     m = HEADER.match(line)
@@ -62,10 +60,17 @@ def loop_copies(hlo: str, large: bool = False) -> dict:
     elif name is not None:
       comps[name].append(line)
   bodies = {m.group(1) for lines in comps.values() for ln in lines for m in [WHILE.search(ln)] if m}
+  return {body: comps.get(body, []) for body in sorted(bodies)}
+
+
+def loop_copies(bodies: dict[str, list[str]], large: bool = False) -> dict:
+  """{while body: [[bytes, shape], ...]} of the copies at the top level of every while body (`large`:
+  of every op there whose output is >= LARGE bytes, named by opcode: an update XLA could not do in
+  place writes a whole cache-sized buffer)."""
   out = {}
-  for body in sorted(bodies):
+  for body, lines in bodies.items():
     found = []
-    for ln in comps.get(body, []):
+    for ln in lines:
       m = (OP if large else COPY).search(ln)
       if m and (not large or (m.group(3) not in NO_DATA and _bytes(m.group(1), m.group(2)) >= LARGE)):
         found.append([_bytes(m.group(1), m.group(2)), f"{m.group(3)} {m.group(1)}[{m.group(2)}]"])
@@ -73,28 +78,20 @@ def loop_copies(hlo: str, large: bool = False) -> dict:
   return out
 
 
-def ops_per_body(hlo: str) -> dict:
+def ops_per_body(bodies: dict[str, list[str]]) -> dict:
   """{while body: instructions at its top level that do work (fusions, custom calls, copies, ...)}: a
   loop body compiled with more of them launches more kernels every iteration."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    m = HEADER.match(line)
-    if m and not line.startswith(" "):
-      name = m.group(1)
-      comps[name] = []
-    elif name is not None:
-      comps[name].append(line)
-  bodies = {m.group(1) for lines in comps.values() for ln in lines for m in [WHILE.search(ln)] if m}
-  count = lambda lines: sum(1 for ln in lines for m in [OP.search(ln)] if m and m.group(3) not in NO_DATA)
-  return {body: count(comps.get(body, [])) for body in sorted(bodies)}
+  return {body: sum(1 for ln in lines for m in [OP.search(ln)] if m and m.group(3) not in NO_DATA)
+          for body, lines in bodies.items()}
 
 
 def summary(hlo: str) -> dict:
-  copies, large = loop_copies(hlo), loop_copies(hlo, large=True)
+  bodies = loop_bodies(hlo)
+  copies, large = loop_copies(bodies), loop_copies(bodies, large=True)
   return {"while_loops": len(copies), "copy_bytes_in_loop_bodies": int(sum(b for c in copies.values() for b, _ in c)),
           "largest": sorted((c for cs in copies.values() for c in cs), reverse=True)[:8],
           "by_body": {k: v[:6] for k, v in copies.items() if v},
-          "large_outputs_by_body": {k: v[:12] for k, v in large.items() if v}, "ops_by_body": ops_per_body(hlo)}
+          "large_outputs_by_body": {k: v[:12] for k, v in large.items() if v}, "ops_by_body": ops_per_body(bodies)}
 
 
 def main():

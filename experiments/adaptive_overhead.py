@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode_trace import keep_command_buffers_when_traced, summarize, trace_call  # noqa: E402
+from profile_decode_trace import keep_command_buffers_when_traced, traced_summary  # noqa: E402
 from sharding_bench import RANDOM_SHAPES, random_target  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
 from specjax.drafters import speculator_spec  # noqa: E402
@@ -65,13 +65,11 @@ def per_round_ms(run, short: int, long: int, repeats: int) -> tuple[float, float
 
 
 def trace_run(run, tokens: int) -> dict:
-  """`run(tokens)` once under the profiler: per-token kernel figures (`profile_decode_trace.summarize`)."""
-  seconds, kernels = trace_call(lambda: run(tokens))
-  if not kernels:
-    return {"error": "no device events (a CPU backend records none)"}
-  out = summarize(kernels, tokens, seconds, 15)
-  print(f"[trace] {out['wall_ms_per_step']:.3f} ms/token wall, busy {out['busy_ms_per_step']:.3f}, "
-        f"{out['kernels_per_step']} kernels/token, gaps {out['gap_us']['sum_ms_per_step']:.3f} ms/token", flush=True)
+  """`run(tokens)` once under the profiler, per token (`profile_decode_trace.traced_summary`), printed."""
+  out = traced_summary(lambda: run(tokens), tokens)
+  if "error" not in out:
+    print(f"[trace] {out['wall_ms_per_step']:.3f} ms/token wall, busy {out['busy_ms_per_step']:.3f}, "
+          f"{out['kernels_per_step']} kernels/token, gaps {out['gap_us']['sum_ms_per_step']:.3f} ms/token", flush=True)
   return out
 
 

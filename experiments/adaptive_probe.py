@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode_trace import keep_command_buffers_when_traced, summarize, trace_call  # noqa: E402
+from profile_decode_trace import keep_command_buffers_when_traced, traced_summary  # noqa: E402
 
 from specjax.bench.config import DEFAULT_CAPACITY, load_config  # noqa: E402
 from specjax.bench.env import device_info, git_revision  # noqa: E402
@@ -44,14 +44,6 @@ def summary(calls: list[tuple[float, float | None]]) -> dict:
     out |= {"prefill_ms_min": min(prefill), "prefill_ms_median": statistics.median(prefill),
             "after_prefill_ms_min": min(t - p for t, p in zip(total, prefill))}
   return out
-
-
-def traced(fn, rounds: int) -> dict:
-  """One call of `fn` under the profiler, per round of the batch (`profile_decode_trace.summarize`)."""
-  seconds, kernels = trace_call(fn)
-  if not kernels:
-    return {"error": "no device events (a CPU backend records none)"}
-  return summarize(kernels, max(rounds, 1), seconds, 15)
 
 
 def main():
@@ -101,7 +93,7 @@ def main():
     plain(min(cfg.max_new_tokens, 16))
     base = summary([plain(cfg.max_new_tokens) for _ in range(args.repeats)])
     if args.trace:
-      base["trace"] = traced(lambda: plain(cfg.max_new_tokens), cfg.max_new_tokens)
+      base["trace"] = traced_summary(lambda: plain(cfg.max_new_tokens), cfg.max_new_tokens)
     row = {"batch": start // cfg.batch_size, "questions": [q.question_id for q in batch], "plain": base}
     rows.append(row)
     save(rows)
@@ -142,7 +134,7 @@ def main():
         out[name]["x_plain"] = base["total_ms_min"] / out[name]["total_ms_min"]
         if args.trace:
           runner._restore(snap)
-          out[name]["trace"] = traced(lambda: call(cfg.max_new_tokens), out[name]["rounds"])
+          out[name]["trace"] = traced_summary(lambda: call(cfg.max_new_tokens), out[name]["rounds"])
         row[m.name] = out
         save(rows)    # after each variant: a run cut by a time limit keeps what it finished
       print(json.dumps({"batch": row["batch"], m.name: {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv)

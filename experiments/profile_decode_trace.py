@@ -151,12 +151,20 @@ def traced_generation(run, trace_dir: Path) -> tuple[float, list[dict], Path]:
   import jax
   with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
     seconds = run().seconds
-  files = sorted(glob.glob(str(trace_dir / "**" / "perfetto_trace.json.gz"), recursive=True))
-  if not files:
+  events, trace_file = read_trace(trace_dir)
+  if trace_file is None:
     raise RuntimeError(f"the profiler wrote no perfetto_trace.json.gz under {trace_dir}")
+  return seconds, events, trace_file
+
+
+def read_trace(trace_dir: Path) -> tuple[list[dict], Path | None]:
+  """(device events, the file) of the newest Perfetto trace the profiler wrote under trace_dir; ([], None)
+  when it wrote none."""
+  files = sorted(glob.glob(str(Path(trace_dir) / "**" / "perfetto_trace.json.gz"), recursive=True))
+  if not files:
+    return [], None
   with gzip.open(files[-1], "rt") as f:
-    trace = json.load(f)
-  return seconds, device_events(trace), Path(files[-1])
+    return device_events(json.load(f)), Path(files[-1])
 
 
 def keep_command_buffers_when_traced() -> None:
@@ -167,8 +175,9 @@ def keep_command_buffers_when_traced() -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
-def trace_call(fn) -> tuple[float, list[dict]]:
-  """`fn()` once under the profiler: (its wall seconds, the trace's device events; none on a CPU)."""
+def traced_summary(fn, steps: int, top: int = 15) -> dict:
+  """`fn()` once under the profiler, summarized per step over `steps` (`summarize`); an "error" entry
+  when the trace holds no device events (a CPU backend records none)."""
   import time
 
   import jax
@@ -177,11 +186,10 @@ def trace_call(fn) -> tuple[float, list[dict]]:
       t0 = time.perf_counter()
       fn()
       seconds = time.perf_counter() - t0
-    files = sorted(glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True))
-    if not files:
-      return seconds, []
-    with gzip.open(files[-1], "rt") as f:
-      return seconds, device_events(json.load(f))
+    kernels, _ = read_trace(Path(tmp))
+  if not kernels:
+    return {"error": "no device events (a CPU backend records none)"}
+  return summarize(kernels, max(steps, 1), seconds, top)
 
 
 def plot(rows: list[dict], path: Path) -> None:

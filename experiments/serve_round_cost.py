@@ -249,6 +249,9 @@ def main(argv=None) -> int:
                   help="sampled tokens as a bare argmax, no greedy / sampled conditional (all requests are greedy)")
   ap.add_argument("--out", required=True)
   args = ap.parse_args(argv)
+  if args.trace:
+    from profile_decode_trace import keep_command_buffers_when_traced
+    keep_command_buffers_when_traced()
   if args.greedy_argmax:
     greedy_argmax()
   target, prompt = load_target(args)
