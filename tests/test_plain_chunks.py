@@ -6,7 +6,9 @@ missed an entry, or conditioned on the wrong features, drafts another tree or ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +17,12 @@ import pytest
 
 from conftest import TINY_LLAMA, random_params
 from specjax.drafters import speculator_spec
-from specjax.drafters.base import DraftParams
+from specjax.drafters.base import DeviceDrafter, Draft, DraftParams
+from specjax.drafters.ngram_mod_device import NgramModDevice
+from specjax.engine.decode import generate_plain
 from specjax.engine.generation import pad_prompts
 from specjax.engine.loops import prefill_request, rounds_at
-from specjax.engine.plain_chunks import chunk_steps, plain_chunks, supports
+from specjax.engine.plain_chunks import chunk_steps, plain_chunks, shadows, supports
 from specjax.engine.round import RoundInputs, RoundSpec, draft_context
 from specjax.engine.sampling import SamplingParams
 from specjax.engine.tree import max_depth_of
@@ -89,7 +93,6 @@ def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, target, tmp_p
   3 at 1 / 50 / 100 ms): batch 3 greedy output identical to plain decoding; most rounds run at width
   0, as plain chunks; the exploring segments verify drafts."""
   from specjax.engine import adaptive as adapt, speculative_generate
-  from specjax.engine.decode import generate_plain
   spec = speculator_spec.get(name)
   d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
   ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 50.0, 100.0), segment_rounds=4, explore_rounds=2,
@@ -109,7 +112,6 @@ def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target
   there): over every slot and over two gathered slots, the tokens, per-round counts (one token a
   round) and the drafter's next full-width draft are those of the same number of width-0 rounds,
   and the tokens plain decoding's (greedy)."""
-  from specjax.engine.decode import generate_plain
   from specjax.serve import slot_programs as programs
   spec = speculator_spec.get("mtp")
   d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
@@ -144,18 +146,17 @@ def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target
 
 
 def test_no_exploring_segment_when_the_batch_is_nearly_done(target, tmp_path):
-  """Adaptive MTP (acceptance estimated from verified drafts, refreshed by exploring segments at the
-  widest width): with width 0 far cheaper, an exploring segment is due every third segment, but the
+  """Adaptive MTP without shadow drafts (acceptance estimated from verified drafts, refreshed by
+  exploring segments at the widest width): with width 0 far cheaper, an exploring segment is due every third segment, but the
   one that would start with fewer than explore_rounds + segment_rounds tokens left to every sequence
   is skipped (its knowledge could change at most one more segment), so the rounds after the first
   exploring segment all run at width 0; output identical to plain decoding's. With tokens to spare
   the later exploring segment still runs."""
   from specjax.engine import adaptive as adapt, speculative_generate
-  from specjax.engine.decode import generate_plain
   spec = speculator_spec.get("mtp")
   d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
   ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 50.0, 100.0), segment_rounds=4, explore_rounds=2,
-                            explore_every=3)
+                            explore_every=3, shadow_drafts=False)
   for max_new, late_explore in ((16, False), (40, True)):
     res = speculative_generate(target.params, target.cfg, PROMPTS, d, max_new_tokens=max_new,
                                draft_params=DraftParams(n_max=3), adaptive=ac)
@@ -163,3 +164,112 @@ def test_no_exploring_segment_when_the_batch_is_nearly_done(target, tmp_path):
     segs = res.stats.adaptive["segments"]
     assert segs[0] == [3, ac.explore_rounds] and segs[1][0] == 0, segs
     assert any(w == 3 for w, _ in segs[1:]) == late_explore, (max_new, segs)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnowsTheFuture(DeviceDrafter):
+  """A test drafter whose draft is the target's own greedy continuation (plain decoding's output,
+  given as `future` [B, F]: prompt then generated tokens), every token off by one until the sequence
+  has made `wrong_until` tokens: acceptance that jumps from 0 to 1 mid-generation. Stateless beyond
+  the prompt lengths; its commit takes plain chunks (`chunk_commit`)."""
+  chunk_commit = True
+  name = "knows_the_future"
+  max_draft: int = 3
+  wrong_until: int = 0
+  future: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+  def params(self):
+    return {"future": self.future}
+
+  def init(self, dparams, prompt_tokens, prompt_lens, prefill_taps, capacity):
+    return {"prompt_len": prompt_lens}
+
+  def propose(self, dparams, dstate, ctx):
+    future = dparams["future"]
+    cols = jnp.minimum(ctx.hist_len[:, None] + jnp.arange(self.max_draft)[None, :], future.shape[1] - 1)
+    tokens = jnp.take_along_axis(future, cols, axis=1)                                 # [B, K] after `last`
+    early = (ctx.hist_len - dstate["prompt_len"] < self.wrong_until)[:, None]
+    tokens = jnp.where(early, (tokens + 1) % TINY_LLAMA.vocab_size, tokens)
+    return Draft(tokens=tokens, lengths=jnp.minimum(ctx.n_max, self.max_draft)), dstate
+
+  def commit(self, dparams, dstate, result):
+    return dstate
+
+
+def knows_the_future(target, max_new: int, wrong_until: int) -> KnowsTheFuture:
+  plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=max_new + 8).tokens
+  rows = [p + g for p, g in zip(PROMPTS, plain)]
+  future = np.zeros((len(rows), max(map(len, rows)) + 8), np.int32)
+  for i, r in enumerate(rows):
+    future[i, :len(r)] = r
+  return KnowsTheFuture(wrong_until=wrong_until, future=jnp.asarray(future))
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash", "ngram_mod", "knows_the_future"])
+def test_shadow_draft_counts_what_verifying_it_accepts(name, target, tmp_path):
+  """A plain chunk's shadow draft (the drafter's full draft, compared with the tokens the chunk makes)
+  counts, per sequence, the draft tokens a verified round at the full width from the same state
+  accepts, and a rejection where that round rejects or has no draft to verify (greedy); the chunk
+  leaves the drafter as a chunk without a shadow draft does (same next draft)."""
+  if name == "knows_the_future":
+    d, n_max, dp_kw = knows_the_future(target, 16, wrong_until=0), 3, {}
+  elif name == "ngram_mod":
+    d, n_max = NgramModDevice(n_match=1, n_min=1, n_max=4, table_size=1 << 12), 4
+  else:
+    spec = speculator_spec.get(name)
+    d, n_max = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path)), 3
+  b = len(PROMPTS)
+  toks, lens = pad_prompts(PROMPTS)
+  outcomes = []
+  # then the second sequence drafts nothing (n_max 0) and the third's model drafts fall under p_min, cut by n_min
+  for setting in (DraftParams(n_max=n_max), DraftParams(n_max=[n_max, 0, n_max], n_min=[0, 0, 1], p_min=[0, 0, 0.9])):
+    dp = {k: jnp.asarray(a) for k, a in setting.arrays(b, None).items()}
+    inp = RoundInputs(params=target.params, dparams=d.params(), sampling=SamplingParams.make(b), dp=dp,
+                      stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
+    full, zero = RoundSpec(cfg=target.cfg, drafter=d), RoundSpec(cfg=target.cfg, drafter=d, width=0)
+    assert shadows(zero)
+    fresh = lambda: prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=128, history_len=128)
+    verified, _ = jax.jit(functools.partial(rounds_at, full))(inp, 1, fresh())
+    st = verified.stats
+    m = n_max + 2
+    shadowed, live, ran, (acc, rej) = jax.jit(functools.partial(plain_chunks, zero, shadow=True))(inp, m, fresh())
+    plain, _, _ = jax.jit(functools.partial(plain_chunks, zero))(inp, m, fresh())
+    assert np.asarray(acc).tolist() == np.asarray(st.acc_tokens).tolist(), (name, setting)
+    no_draft = (np.asarray(st.rounds) - np.asarray(st.gen_drafts)) * (np.asarray(dp["n_max"]) > 0)
+    assert np.asarray(rej).tolist() == (np.asarray(st.rejected) + no_draft).tolist(), (name, setting)
+    if not outcomes:
+      assert np.asarray(st.gen_drafts).sum() > 0, name          # the first setting verified drafts
+    assert np.array_equal(shadowed.state.history, plain.state.history)
+    propose = jax.jit(lambda cr: d.propose(inp.dparams, cr.dstate, draft_context(full, inp, cr.state))[0].tokens)
+    assert np.array_equal(propose(shadowed), propose(plain))
+    outcomes.append((np.asarray(acc).tolist(), np.asarray(rej).tolist()))
+  if name == "knows_the_future":               # the whole draft accepted, nothing rejected
+    assert outcomes == [([3] * b, [0] * b), ([3, 0, 3], [0, 0, 0])]
+  elif name != "ngram_mod":
+    assert outcomes[1][1][2] == 1                              # a draft cut by n_min counts as rejected
+
+
+def test_shadow_drafts_turn_to_drafting_without_exploring(target):
+  """Adaptive drafting with a chain drafter whose drafts are all wrong for the first 20 tokens and all
+  right after: the first (exploring) segment sees acceptance 0 and the loop backs off to width 0; with
+  shadow drafts it turns to the widest width once they match, without another exploring segment
+  (`explore_every` is never reached), and finishes in fewer rounds; without them it stays at width 0.
+  Greedy output identical to plain decoding's either way."""
+  from specjax.engine import adaptive as adapt, speculative_generate
+  max_new = 64
+  d = knows_the_future(target, max_new, wrong_until=20)
+  plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=max_new).tokens
+  runs = {}
+  for shadow in (True, False):
+    ac = adapt.AdaptiveConfig(widths=(0, 3), costs=(1.0, 1.2), segment_rounds=4, explore_rounds=2,
+                              explore_every=10 ** 6, shadow_drafts=shadow)
+    res = speculative_generate(target.params, target.cfg, PROMPTS, d, max_new_tokens=max_new,
+                               draft_params=DraftParams(n_max=3), adaptive=ac)
+    assert res.tokens == plain, shadow
+    runs[shadow] = res.stats.adaptive
+  on, off = runs[True], runs[False]
+  assert on["segments"][:2] == [[3, 2], [0, on["segments"][1][1]]] and off["segments"][0] == [3, 2]
+  assert all(w == 0 for w, _ in off["segments"][1:]), off
+  assert on["segments"][-1][0] == 3 and sum(n for w, n in on["segments"] if w == 3) > 2, on
+  assert sum(n for _, n in on["segments"]) < sum(n for _, n in off["segments"])
+  assert on["shadow"]["accepted"] > 0 and on["shadow"]["rejected"] > 0 and off["shadow"] is None

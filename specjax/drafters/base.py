@@ -135,6 +135,15 @@ class DeviceDrafter(Drafter):
       return self.propose_budget(dparams, dstate, ctx, 0)[1]
     return self.propose(dparams, dstate, ctx)[1]
 
+  def shadow_propose(self, dparams, dstate, ctx: DraftContext) -> tuple[Draft, Any]:
+    """`chunk_commit` chain drafters: the start of a plain chunk that also drafts. The draft is never
+    verified: adaptive drafting compares it with the tokens the chunk makes (a shadow draft), so its
+    acceptance estimate learns while it backs off. -> (the draft, the state `begin_chunk` would leave
+    for the chunk's commit). Here: `propose`, whose state is that for drafters whose commit reads the
+    verified tokens and taps only (the chunk's commit overwrites the draft's entries); a drafter
+    whose commit reads its own last draft overrides it."""
+    return self.propose(dparams, dstate, ctx)
+
   def end_device(self, dstate) -> None:
     """After a request: keep what outlives it (drafters with cross-request memory). No-op here."""
 

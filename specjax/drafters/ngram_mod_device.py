@@ -134,6 +134,12 @@ class NgramModDevice(DeviceDrafter):
     ds = self._add_pending(ds, ctx)
     return dataclasses.replace(ds, n_draft_last=jnp.zeros_like(ds.n_draft_last))
 
+  def shadow_propose(self, dparams, ds: NgramModState, ctx: DraftContext):
+    """A draft compared with a plain chunk's tokens, not verified: as `begin_chunk`, no draft is
+    outstanding for the chunk's commit (its low-acceptance count sees verified drafts only)."""
+    draft, ds = self.propose(dparams, ds, ctx)
+    return draft, dataclasses.replace(ds, n_draft_last=jnp.zeros_like(ds.n_draft_last))
+
   def propose(self, dparams, ds: NgramModState, ctx: DraftContext):
     n, k = self.n_match, self.max_draft
     length = ctx.hist_len

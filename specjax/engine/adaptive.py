@@ -30,8 +30,11 @@ only a forward-only first estimate). tau_i(w), expected tokens per round:
   off the ranks of the accepted path's nodes; the first segment explores the widest budget, every
   `explore_every`-th the budget one above the chosen one.
 - otherwise censored-geometric per sequence: alpha_i = accepted / (accepted + rejections), decayed
-  per segment, tau = 1 + alpha + .. + alpha^w; positions beyond the chosen width get no evidence, so
-  the first segment and every `explore_every`-th is a short one (`explore_rounds`) at the widest width.
+  per segment, tau = 1 + alpha + .. + alpha^w. Chain drafters caught up in plain chunks at width 0
+  (MTP, EAGLE-3, DFlash, ngram_mod) start each chunk with a shadow draft, compared with the chunk's
+  tokens and counted as a verified draft (`shadow_drafts`), so backing off keeps learning and only
+  the first segment is a short one (`explore_rounds`) at the widest width; without shadow drafts
+  positions beyond the chosen width get no evidence, and every `explore_every`-th segment explores.
 
 Ties in predicted time go to the widest width (within `tie`, default exact ties only: estimates from
 the stream so far understate wide widths, but a tie of a few percent let a narrow width win over
@@ -93,8 +96,14 @@ class AdaptiveConfig:
                                   # that is not verified but compared with the tokens the segment makes (the
                                   # host loop's exploration; the first segment a quarter as long); 0: off,
                                   # the host loop explores with rounds at the widest width instead
-  backoff_segments: int = 2       # device loop, replayed drafters: at most this many segments run as one
-                                  # at width 0 (other drafters run width 0 up to their next exploring segment)
+  shadow_drafts: bool = True      # device loop, chain drafters caught up in plain chunks at width 0 (MTP, EAGLE-3,
+                                  # DFlash, ngram_mod): each chunk starts with a draft that is not verified but
+                                  # compared with the chunk's tokens, and the acceptance estimate learns from it,
+                                  # so only the first segment explores at the widest width; off: an exploring
+                                  # segment every `explore_every` segments
+  backoff_segments: int = 2       # device loop, replayed drafters and shadow drafts: at most this many segments
+                                  # run as one at width 0 (other drafters run width 0 up to their next exploring
+                                  # segment)
   margin: float = 0.1             # a drafting width is chosen over width 0 (plain decoding) only if it predicts
                                   # finishing at least this fraction sooner: what the estimates leave out (a
                                   # segment's own cost, the acceptance's noise) falls on drafting, never on plain

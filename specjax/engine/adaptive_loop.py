@@ -11,7 +11,10 @@ Expected tokens per round come from replaying the produced stream (`adaptive_rep
 replayable point-mass drafters (every width, plain decoding included, is evaluated on every
 segment, so nothing needs exploring); for tree drafters the width is the node budget and every
 round tallies what each smaller budget would have accepted (`adaptive_tree`); otherwise from the
-censored-geometric acceptance per sequence, refreshed by a short segment at the widest width every
+censored-geometric acceptance per sequence, which chain drafters caught up in plain chunks keep
+learning at width 0 from shadow drafts (`plain_chunks.shadow_outcome`: one full-width draft per
+chunk compared with the chunk's tokens), so only the first segment explores at the widest width;
+drafters without shadow drafts refresh it by a short segment at the widest width every
 `ac.explore_every` segments.
 """
 
@@ -43,6 +46,7 @@ class Control:
   replay: ReplayState      # replayed acceptance per width (replayable drafters)
   acceptance: adapt.AdaptiveState   # censored-geometric acceptance per sequence (other drafters)
   budgets: BudgetTally     # tokens per round each node budget would have given (tree drafters)
+  shadow: jax.Array        # [2] f32 shadow drafts' accepted tokens and rejections, totals (for the report)
   segment: jax.Array       # [] int32 segments run (a backing-off segment counts as the segments it stands for)
   streak: jax.Array        # [] int32 segments in a row that backed off (width 0)
   total: jax.Array         # [] int32 rounds run
@@ -54,8 +58,15 @@ class Control:
     z = jnp.zeros((ADAPTIVE_LOG,), jnp.int32)
     b = carry.state.last.shape[0]
     return Control(replay=ReplayState.init(carry.state.hist_len, n_widths), acceptance=adapt.AdaptiveState.init(b, ac),
-                   budgets=BudgetTally.init(n_widths, b), segment=jnp.int32(0), streak=jnp.int32(0), total=jnp.int32(0), log_width=z,
+                   budgets=BudgetTally.init(n_widths, b), shadow=jnp.zeros((2,), jnp.float32), segment=jnp.int32(0), streak=jnp.int32(0), total=jnp.int32(0), log_width=z,
                    log_rounds=z)
+
+
+def shadowed(spec: RoundSpec, ac) -> bool:
+  """The loop's width-0 segments draft shadow drafts (chain drafters caught up in plain chunks whose
+  acceptance is not replayed), and its acceptance estimate learns from them."""
+  return (ac.shadow_drafts and not spec.drafter.replayable
+          and plain_chunks.shadows(dataclasses.replace(spec, width=0)))
 
 
 def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
@@ -69,11 +80,11 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
 
   Backing off (width 0 chosen) runs several segments' rounds as one: every segment costs the
   controller's work and the entry into each width's loop beside its rounds, and at width 0 there
-  is little to learn. Drafters whose estimates rounds at width 0 cannot change (trees, the
-  censored-geometric chains) run up to their next exploring segment; replayed drafters, which
-  learn from the plain stream too, one segment for the first two back-offs in a row, then twice
-  as many as the last, up to `ac.backoff_segments` (and K + 1: the replay window covers that many
-  segments' tokens)."""
+  is little to learn. Drafters whose estimates rounds at width 0 cannot change (trees, chains
+  without shadow drafts) run up to their next exploring segment; replayed drafters and chains with
+  shadow drafts, which learn at width 0 too, one segment for the first two back-offs in a row, then
+  twice as many as the last, up to `ac.backoff_segments` (replayed: and K + 1, the replay window
+  covers that many segments' tokens)."""
   live = ~carry.state.done
   remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
   to_explore = ac.explore_every - ctl.segment % ac.explore_every              # segments up to the next exploring one
@@ -90,13 +101,17 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
     span = to_explore
   else:
     # an exploring segment informs the choices after it: none once every live sequence would be done
-    # within a segment after it (it would cost its wide rounds and change at most one segment)
+    # within a segment after it (it would cost its wide rounds and change at most one segment), and
+    # none after the first where width-0 segments learn from shadow drafts
     explore = explore & ((ctl.segment == 0) |
                          (jnp.max(jnp.where(live, remaining, 0)) > ac.explore_rounds + ac.segment_rounds))
+    span = to_explore
+    if shadowed(spec, ac):
+      explore = ctl.segment == 0
+      span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)), ac.backoff_segments)
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
-    span = to_explore
   backoff = (widths[0] == 0) & (wi == 0) & ~explore
   span = jnp.where(backoff, jnp.maximum(span, 1), 1).astype(jnp.int32)
   rounds = rounds * span
@@ -106,9 +121,10 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
   return wi, rounds, span
 
 
-def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran, span, n_max) -> Control:
+def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran, span, n_max, seen) -> Control:
   """The controller after a segment standing for `span` segments: replayed acceptance, or the
-  acceptance totals (trees: tallied round by round, `_segment`), and the log. For the totals a
+  acceptance totals (trees: tallied round by round, `_segment`; a width-0 segment's shadow drafts
+  `seen` = (accepted [B], rejected [B]) count as verified drafts), and the log. For the totals a
   round that drafted nothing where a draft was asked for (no n-gram match, a draft under n_min)
   counts as a rejection at its first position: such a sequence gains one token a round at any
   width, which its acceptance of the drafts it did make would overstate."""
@@ -122,22 +138,31 @@ def _learn(spec, ac, before: Carry, after: Carry, ctl: Control, widths, wi, ran,
     delta = lambda f: getattr(after.stats, f) - getattr(before.stats, f)
     asked = (jnp.asarray(widths, jnp.int32)[wi] > 0) & (n_max > 0)                 # [B]
     empty = jnp.where(asked, delta("rounds") - delta("gen_drafts"), 0)
-    acceptance = adapt.update_totals(ctl.acceptance, delta("acc_tokens"), delta("rejected") + empty, ac.decay)
+    acceptance = adapt.update_totals(ctl.acceptance, delta("acc_tokens") + seen[0], delta("rejected") + empty + seen[1],
+                                     ac.decay)
   slot = jnp.minimum(ctl.segment, ADAPTIVE_LOG - 1)
   streak = jnp.where(jnp.asarray(widths, jnp.int32)[wi] == 0, ctl.streak + 1, 0)
-  return dataclasses.replace(ctl, replay=replay, acceptance=acceptance, segment=ctl.segment + span, streak=streak,
+  shadow = ctl.shadow + jnp.stack([jnp.sum(seen[0]), jnp.sum(seen[1])]).astype(jnp.float32)
+  return dataclasses.replace(ctl, replay=replay, acceptance=acceptance, shadow=shadow, segment=ctl.segment + span,
+                             streak=streak,
                              total=ctl.total + ran, log_width=ctl.log_width.at[slot].set(wi),
                              log_rounds=ctl.log_rounds.at[slot].add(ran))
 
 
 def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi, rounds):
   """The segment's rounds at width index `wi`: one bounded loop per width, all but the chosen running
-  0 rounds; tree rounds add to the budget tally (decayed once per segment). -> (carry, ctl, ran)."""
+  0 rounds; tree rounds add to the budget tally (decayed once per segment).
+  -> (carry, ctl, ran, the shadow drafts' (accepted [B], rejected [B]))."""
   budgets, ran = (ctl.budgets.decayed(ac.decay) if specs[0].proposes_tree else ctl.budgets), jnp.int32(0)
+  b = carry.state.last.shape[0]
+  seen = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
   for i, spec_w in enumerate(specs):
     n_i = jnp.where(wi == i, rounds, 0)
     if plain_chunks.supports(spec_w):      # width 0: plain decoding steps, the drafter caught up per chunk
-      carry, live_rounds, n = plain_chunks.plain_chunks(spec_w, inp, n_i, carry)
+      if shadowed(spec_w, ac):
+        carry, live_rounds, n, seen = plain_chunks.plain_chunks(spec_w, inp, n_i, carry, shadow=True)
+      else:
+        carry, live_rounds, n = plain_chunks.plain_chunks(spec_w, inp, n_i, carry)
       if spec_w.proposes_tree:
         budgets = budgets.observe_plain(live_rounds)
     elif spec_w.proposes_tree:
@@ -145,7 +170,7 @@ def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi
     else:
       carry, n = rounds_at(spec_w, inp, n_i, carry)
     ran = ran + n
-  return carry, dataclasses.replace(ctl, budgets=budgets), ran
+  return carry, dataclasses.replace(ctl, budgets=budgets), ran, seen
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "ac", "keep"), donate_argnames=("carry",))
@@ -153,7 +178,7 @@ def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, 
   """Segments until every sequence is done or `max_rounds` rounds ran. costs [W] ms per round of
   each width; `force` >= 0 pins the width index and runs one segment of `max_rounds` rounds (the
   cost measurement); `keep`: indices of `ac.widths_for(K)` left by `adapt.prune_widths`.
-  -> (carry, (log_width, log_rounds, segments, rounds, replayed tau [W]))."""
+  -> (carry, (log_width, log_rounds, segments, rounds, replayed tau [W], shadow drafts' totals [2]))."""
   widths = widths_of(spec, ac, keep)
   specs = [dataclasses.replace(spec, width=w) for w in widths]
   choice_costs = adapt.with_margin(costs, widths, ac.margin)      # drafting must predict a clear gain
@@ -161,15 +186,15 @@ def adaptive_run(spec: RoundSpec, inp: RoundInputs, carry: Carry, costs, force, 
   def body(c):
     carry, ctl = c
     wi, rounds, span = _choose(spec, ac, carry, ctl, inp, choice_costs, widths, force, max_rounds)
-    after, ctl, ran = _segment(specs, ac, inp, carry, ctl, widths, wi, rounds)
-    return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran, span, inp.dp["n_max"])
+    after, ctl, ran, seen = _segment(specs, ac, inp, carry, ctl, widths, wi, rounds)
+    return after, _learn(spec, ac, carry, after, ctl, widths, wi, ran, span, inp.dp["n_max"], seen)
 
   carry, ctl = jax.lax.while_loop(lambda c: ~jnp.all(c[0].state.done) & (c[1].total < max_rounds), body,
                                   (carry, Control.init(carry, ac, len(widths))))
   r = ctl.replay
   replayed_tau = (ctl.budgets.pooled() if spec.proposes_tree else
                   jnp.sum(r.tokens, 1) / jnp.maximum(jnp.sum(r.rounds, 1), 1e-6))   # [W] pooled, decayed
-  return carry, (ctl.log_width, ctl.log_rounds, ctl.segment, ctl.total, replayed_tau)
+  return carry, (ctl.log_width, ctl.log_rounds, ctl.segment, ctl.total, replayed_tau, ctl.shadow)
 
 
 def measure_round_costs(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, timed=True) -> np.ndarray | None:
@@ -245,7 +270,11 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
   keep = None if kept == widths else tuple(widths.index(w) for w in kept)   # None: the program timing compiled
   carry, probe = adaptive_run(spec, inp, carry, jnp.asarray(kept_costs, jnp.float32), jnp.int32(-1),
                               jnp.int32(2 ** 30), ac=ac, keep=keep)
-  log_w, log_r, n_seg, _, tau = jax.device_get(probe)
+  log_w, log_r, n_seg, _, tau, shadow = jax.device_get(probe)
+  acc, rej = (float(x) for x in shadow)
   return carry, {**record, "segments": _segments(kept, log_w, log_r, n_seg), "n_segments": int(n_seg),
                  "replayed_tau": ([round(float(t), 4) for t in tau]
-                                  if spec.drafter.replayable or spec.proposes_tree else None)}
+                                  if spec.drafter.replayable or spec.proposes_tree else None),
+                 "shadow": ({"accepted": int(acc), "rejected": int(rej),
+                             "alpha": round(acc / (acc + rej), 4) if acc + rej else None}
+                            if shadowed(spec, ac) else None)}
