@@ -54,11 +54,11 @@ def summarize(d: dict) -> dict:
       for w, n in segs:
         by_width[w] += n
       rounds = sum(by_width.values())
-      plain_rounds = max(r["rounds"] for r in plain[i])
+      plain_rounds = max(r["new_tokens"] for r in plain[i]) - 1     # the first token comes from the prefill
       model_ms = sum(n * costs[w] for w, n in segs)
       width0_ms = plain_rounds * costs[min(costs)]
       acc = sum(r["acc_tokens"] for r in batch)
-      emitted = sum(r["emitted"] for r in batch)
+      emitted = sum(r["emitted"] for r in batch)          # tokens the rounds emitted (the prefill's first not counted)
       row = {"batch": i, "categories": sorted({r["category"] for r in batch}), "rounds": rounds,
              "plain_rounds": plain_rounds, "rounds_by_width": {str(w): n for w, n in sorted(by_width.items())},
              "explored_after_first": explored_after_first(segs, max(costs)), "segments": segs,
@@ -68,7 +68,8 @@ def summarize(d: dict) -> dict:
       per_batch.append(row)
       for k in ("rounds", "plain_rounds", "explored_after_first", "model_ms", "width0_ms", "equal", "prompts"):
         totals[k] += row[k]
-    totals["x_width0"] = round(totals["width0_ms"] / totals["model_ms"], 4) if totals["model_ms"] else None
+    totals = dict(totals)
+    totals["x_width0"] = round(totals["width0_ms"] / totals["model_ms"], 4) if totals.get("model_ms") else None
     out["methods"][name] = {"costs_ms": per_batch and batch_record(batches(rows, bs)[0])["costs_ms"],
                             "total": dict(totals), "batches": per_batch}
   return out
@@ -82,7 +83,7 @@ def plot(summary: dict, path: Path) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
   for ax, key, label in ((axes[0], "x_width0", "modeled time of always width 0 / the controller's"),
                          (axes[1], "explored_after_first", "rounds at the widest width after the first segment")):
-    vals = [summary["methods"][n]["total"][key] or 0 for n in names]
+    vals = [summary["methods"][n]["total"].get(key) or 0 for n in names]
     ax.bar(names, vals, color=["tab:orange" if n.endswith("_shadow") else "tab:blue" for n in names])
     ax.set_title(label, fontsize=9)
     ax.tick_params(axis="x", rotation=45)

@@ -176,15 +176,17 @@ def test_chooser_picks_the_budget_from_measured_costs(costs, want):
 # generation
 
 
+@pytest.mark.parametrize("shadow", [True, False], ids=["shadow_trees", "probes"])
 @pytest.mark.parametrize("name", ["draft_tree", "eagle3_tree", "dflash_tree"])
-def test_greedy_is_lossless_and_budgets_follow_acceptance(name, target, tmp_path):
+def test_greedy_is_lossless_and_budgets_follow_acceptance(name, shadow, target, tmp_path):
   """Batch 3, 24 new tokens, budgets 0 / 4 / 8 at 1.0 / 1.3 / 1.5 ms a round, segments of 3 rounds,
   every second one exploring: greedy output identical to plain decoding. draft_tree (a perturbed
   copy of the target: often right) spends most rounds on trees; eagle3_tree and dflash_tree with
   random heads (useless) fall to plain rounds (budget 0) but for the exploring segments: the first,
-  at the widest budget, and the probes one budget above the choice."""
+  at the widest budget, and without shadow trees the probes one budget above the choice (with them,
+  the plain chunks' shadow trees show every budget, and no later segment drafts)."""
   plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=MAX_NEW).tokens
-  ac = adapt.AdaptiveConfig(costs=COSTS, segment_rounds=3, explore_rounds=2, explore_every=2)
+  ac = adapt.AdaptiveConfig(costs=COSTS, segment_rounds=3, explore_rounds=2, explore_every=2, shadow_drafts=shadow)
   res = speculative_generate(target.params, target.cfg, PROMPTS, _tree(name, target, tmp_path), max_new_tokens=MAX_NEW,
                              draft_params=DraftParams(n_max=NODES), adaptive=ac)
   assert res.tokens == plain, name
@@ -195,9 +197,12 @@ def test_greedy_is_lossless_and_budgets_follow_acceptance(name, target, tmp_path
   assert rec["segments"][0][0] == NODES, rec
   if name == "draft_tree":
     assert rounds.get(0, 0) < total / 2 and res.stats.acceptance_rate > 0.1, (rec, res.stats.format())
+  elif shadow:
+    assert all(w == 0 for w, _ in rec["segments"][1:]) and rec["segments"][0] == [NODES, ac.explore_rounds], rec
   else:
     exploring = (rec["n_segments"] + 1) // 2
     assert sum(n for w, n in rounds.items() if w) <= ac.explore_rounds * exploring, rec
+    assert any(w for w, _ in rec["segments"][1:]), rec          # probes after the first segment
     assert rounds[0] >= total / 2 and rec["replayed_tau"][1] < COSTS[1], rec
 
 

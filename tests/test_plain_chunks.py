@@ -22,7 +22,7 @@ from specjax.drafters.ngram_mod_device import NgramModDevice
 from specjax.engine.decode import generate_plain
 from specjax.engine.generation import pad_prompts
 from specjax.engine.loops import prefill_request, rounds_at
-from specjax.engine.plain_chunks import chunk_steps, plain_chunks, shadows, supports
+from specjax.engine.plain_chunks import chain_shadow, chunk_steps, plain_chunks, supports
 from specjax.engine.round import RoundInputs, RoundSpec, draft_context
 from specjax.engine.sampling import SamplingParams
 from specjax.engine.tree import max_depth_of
@@ -227,12 +227,12 @@ def test_shadow_draft_counts_what_verifying_it_accepts(name, target, tmp_path):
     inp = RoundInputs(params=target.params, dparams=d.params(), sampling=SamplingParams.make(b), dp=dp,
                       stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
     full, zero = RoundSpec(cfg=target.cfg, drafter=d), RoundSpec(cfg=target.cfg, drafter=d, width=0)
-    assert shadows(zero)
     fresh = lambda: prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=128, history_len=128)
     verified, _ = jax.jit(functools.partial(rounds_at, full))(inp, 1, fresh())
     st = verified.stats
     m = n_max + 2
-    shadowed, live, ran, (acc, rej) = jax.jit(functools.partial(plain_chunks, zero, shadow=True))(inp, m, fresh())
+    shadow = chain_shadow(inp.dp, b)
+    shadowed, live, ran, (acc, rej) = jax.jit(functools.partial(plain_chunks, zero, shadow=shadow))(inp, m, fresh())
     plain, _, _ = jax.jit(functools.partial(plain_chunks, zero))(inp, m, fresh())
     assert np.asarray(acc).tolist() == np.asarray(st.acc_tokens).tolist(), (name, setting)
     no_draft = (np.asarray(st.rounds) - np.asarray(st.gen_drafts)) * (np.asarray(dp["n_max"]) > 0)
@@ -273,3 +273,41 @@ def test_shadow_drafts_turn_to_drafting_without_exploring(target):
   assert on["segments"][-1][0] == 3 and sum(n for w, n in on["segments"] if w == 3) > 2, on
   assert sum(n for _, n in on["segments"]) < sum(n for _, n in off["segments"])
   assert on["shadow"]["accepted"] > 0 and on["shadow"]["rejected"] > 0 and off["shadow"] is None
+
+
+@pytest.mark.parametrize("name", ["eagle3_tree", "dflash_tree", "draft_tree", "self_tree"])
+def test_shadow_tree_tallies_what_verifying_it_accepts(name, target, tmp_path):
+  """A plain chunk's shadow tree (the drafter's tree at its full node budget, walked along the tokens
+  the chunk makes) adds to every node budget's tally the tokens a verified round at the full budget
+  from the same state adds (greedy; `self_tree`: the target drafting for itself, so the best path is
+  accepted to the tree's depth); the chunk leaves the drafter as a chunk without it does."""
+  from specjax.drafters.draft_model_tree import DraftModelTreeDrafter
+  from specjax.engine import adaptive as adapt
+  from specjax.engine.adaptive_tree import BudgetTally, rounds_tallied
+  if name == "self_tree":
+    d = DraftModelTreeDrafter(cfg=target.cfg, depth=3, top_k=2, weights=target.params)
+  else:
+    spec = speculator_spec.get(name)
+    d = spec.build(target, draft_params=DraftParams(n_max=NODES),
+                   **{**spec.example(target, tmp_path), **dict(depth=3, top_k=2, n_nodes=NODES)})
+  b, depth = len(PROMPTS), max_depth_of(d)
+  toks, lens = pad_prompts(PROMPTS)
+  widths = adapt.AdaptiveConfig().widths_for(d.max_draft, tree=True)
+  dp = {k: jnp.asarray(a) for k, a in DraftParams(n_max=NODES).arrays(b, None).items()}
+  inp = RoundInputs(params=target.params, dparams=d.params(), sampling=SamplingParams.make(b), dp=dp,
+                    stop_ids=jnp.asarray([-1], jnp.int32), max_new=jnp.full((b,), 40, jnp.int32))
+  full, zero = RoundSpec(cfg=target.cfg, drafter=d), RoundSpec(cfg=target.cfg, drafter=d, width=0)
+  fresh = lambda: prefill_request(full, inp, jnp.asarray(toks), jnp.asarray(lens), capacity=128, history_len=128)
+  empty = BudgetTally.init(len(widths), b)
+  widest = dataclasses.replace(full, width=d.max_draft)
+  _, verified, _ = jax.jit(functools.partial(rounds_tallied, widest, widths=widths))(inp, 1, fresh(), empty)
+  observe = lambda tally, tree, made, steps: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
+  m = depth + 1
+  shadowed, _, _, tally = jax.jit(functools.partial(plain_chunks, zero, shadow=(empty, observe)))(inp, m, fresh())
+  plain, _, _ = jax.jit(functools.partial(plain_chunks, zero))(inp, m, fresh())
+  assert np.array_equal(tally.tokens, verified.tokens) and np.array_equal(tally.rounds, verified.rounds), name
+  if name == "self_tree":
+    assert np.asarray(tally.tokens)[-1].tolist() == [1.0 + depth] * b
+  assert np.array_equal(shadowed.state.history, plain.state.history)
+  propose = jax.jit(lambda cr: d.propose(inp.dparams, cr.dstate, draft_context(full, inp, cr.state))[0].tokens)
+  assert np.array_equal(propose(shadowed), propose(plain))

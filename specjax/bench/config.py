@@ -153,6 +153,9 @@ def _check_adaptive(ad, where: str) -> None:
                              and (key == "costs" or all(isinstance(v, int) for v in value)))
       if not ok:
         raise ConfigError(f"{where}.{key}: a non-empty list of numbers >= 0 (widths: whole numbers), got {value!r}")
+    elif fields[key].type in ("bool", bool):
+      if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{key}: true or false, got {value!r}")
     elif fields[key].type in ("int", int):
       if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _INT32):
         raise ConfigError(f"{where}.{key}: a whole number >= 1, got {value!r}")

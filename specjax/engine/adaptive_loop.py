@@ -34,6 +34,7 @@ from specjax.engine.adaptive_replay import ReplayState, replay_segment
 from specjax.engine.adaptive_tree import BudgetTally, choose_budget, rounds_tallied
 from specjax.engine.loops import device_loop, rounds_at
 from specjax.engine.round import Carry, RoundInputs, RoundSpec
+from specjax.engine.tree import max_depth_of
 from specjax.errors import UserError
 
 ADAPTIVE_LOG = 512      # segments whose [width, rounds] are recorded for the run's report
@@ -63,10 +64,10 @@ class Control:
 
 
 def shadowed(spec: RoundSpec, ac) -> bool:
-  """The loop's width-0 segments draft shadow drafts (chain drafters caught up in plain chunks whose
-  acceptance is not replayed), and its acceptance estimate learns from them."""
+  """The loop's width-0 segments draft shadow drafts (drafters caught up in plain chunks whose
+  acceptance is not replayed: chains and budgeted trees), and its estimates learn from them."""
   return (ac.shadow_drafts and not spec.drafter.replayable
-          and plain_chunks.shadows(dataclasses.replace(spec, width=0)))
+          and plain_chunks.supports(dataclasses.replace(spec, width=0)))
 
 
 def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
@@ -80,8 +81,8 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
 
   Backing off (width 0 chosen) runs several segments' rounds as one: every segment costs the
   controller's work and the entry into each width's loop beside its rounds, and at width 0 there
-  is little to learn. Drafters whose estimates rounds at width 0 cannot change (trees, chains
-  without shadow drafts) run up to their next exploring segment; replayed drafters and chains with
+  is little to learn. Drafters whose estimates rounds at width 0 cannot change (those without
+  shadow drafts) run up to their next exploring segment; replayed drafters and drafters with
   shadow drafts, which learn at width 0 too, one segment for the first two back-offs in a row, then
   twice as many as the last, up to `ac.backoff_segments` (replayed: and K + 1, the replay window
   covers that many segments' tokens)."""
@@ -89,16 +90,17 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
   remaining = jnp.maximum(inp.max_new - carry.state.n_out, 1)
   to_explore = ac.explore_every - ctl.segment % ac.explore_every              # segments up to the next exploring one
   explore = ctl.segment % ac.explore_every == 0         # the first segment, then every explore_every-th
+  learning_span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)), ac.backoff_segments)
   if spec.drafter.replayable:
     tau = adapt.tau_replayed(ctl.replay.tokens, ctl.replay.rounds, ac.prior_rounds)
     rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
     wi = adapt.choose_width_device(tau, live, remaining, costs, ac.tie)   # nothing replayed yet: the cheapest
-    span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)),
-                       min(ac.backoff_segments, spec.drafter.max_draft + 1))
+    span = jnp.minimum(learning_span, spec.drafter.max_draft + 1)
     explore = ctl.segment == 0                          # replayed drafters explore nothing; the first segment is short
   elif spec.proposes_tree:
-    wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac)
-    span = to_explore
+    wi, rounds = choose_budget(ctl.budgets, live, remaining, costs, ctl.segment, ac, shadowed(spec, ac))
+    explore = ctl.segment == 0 if shadowed(spec, ac) else explore
+    span = learning_span if shadowed(spec, ac) else to_explore
   else:
     # an exploring segment informs the choices after it: none once every live sequence would be done
     # within a segment after it (it would cost its wide rounds and change at most one segment), and
@@ -107,8 +109,7 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
                          (jnp.max(jnp.where(live, remaining, 0)) > ac.explore_rounds + ac.segment_rounds))
     span = to_explore
     if shadowed(spec, ac):
-      explore = ctl.segment == 0
-      span = jnp.minimum(jnp.left_shift(1, jnp.clip(ctl.streak - 1, 0, 16)), ac.backoff_segments)
+      explore, span = ctl.segment == 0, learning_span
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
@@ -159,8 +160,13 @@ def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi
   for i, spec_w in enumerate(specs):
     n_i = jnp.where(wi == i, rounds, 0)
     if plain_chunks.supports(spec_w):      # width 0: plain decoding steps, the drafter caught up per chunk
-      if shadowed(spec_w, ac):
-        carry, live_rounds, n, seen = plain_chunks.plain_chunks(spec_w, inp, n_i, carry, shadow=True)
+      if shadowed(spec_w, ac) and spec_w.proposes_tree:
+        depth = max_depth_of(spec_w.drafter)
+        observe = lambda tally, tree, made, steps: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
+        carry, live_rounds, n, budgets = plain_chunks.plain_chunks(spec_w, inp, n_i, carry, shadow=(budgets, observe))
+      elif shadowed(spec_w, ac):
+        carry, live_rounds, n, seen = plain_chunks.plain_chunks(spec_w, inp, n_i, carry,
+                                                                shadow=plain_chunks.chain_shadow(inp.dp, b))
       else:
         carry, live_rounds, n = plain_chunks.plain_chunks(spec_w, inp, n_i, carry)
       if spec_w.proposes_tree:
@@ -277,4 +283,4 @@ def adaptive_loop(spec: RoundSpec, inp: RoundInputs, carry: Carry, *, ac, costs,
                                   if spec.drafter.replayable or spec.proposes_tree else None),
                  "shadow": ({"accepted": int(acc), "rejected": int(rej),
                              "alpha": round(acc / (acc + rej), 4) if acc + rej else None}
-                            if shadowed(spec, ac) else None)}
+                            if shadowed(spec, ac) and not spec.proposes_tree else None)}

@@ -14,10 +14,13 @@ batch's (`adaptive.tau_replayed`) and picks the budget that finishes the batch s
 (`adaptive.choose_width_device`), budget 0 being rounds that verify `last` alone.
 
 Exploration: before anything is shown every budget predicts one token per round, so the first
-segment runs `explore_rounds` rounds at the widest budget (which shows them all); the budgets above
-the chosen one are then shown only by probing: every `explore_every`-th segment runs at the budget
-one above the controller's choice, so a rising acceptance climbs the ladder one budget at a time at
-the price of a few rounds at a slightly wider tree, never at the widest.
+segment runs `explore_rounds` rounds at the widest budget (which shows them all). After it, drafters
+caught up in plain chunks at budget 0 start each chunk with a shadow tree at the widest budget,
+walked along the tokens the chunk makes (`shadow_path`): every budget is shown once per chunk while
+backing off, and no segment explores again. Otherwise the budgets above the chosen one are shown
+only by probing: every `explore_every`-th segment runs at the budget one above the controller's
+choice, so a rising acceptance climbs the ladder one budget at a time at the price of a few rounds at
+a slightly wider tree, never at the widest.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 
 from specjax.engine import adaptive as adapt
 from specjax.engine.round import Carry, RoundInputs, RoundSpec, Verdict, run_round
+from specjax.engine.tree import TreeDraft, path_rank, tree_shape
 
 PAST_PATH = 2 ** 30      # the rank given to depths past the accepted path (never below a budget)
 
@@ -74,6 +78,15 @@ class BudgetTally:
     return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
                        rounds=self.rounds + shown.astype(jnp.float32))
 
+  def observe_shadow(self, widths: tuple[int, ...], tree: TreeDraft, dp: dict, made, steps, max_depth: int) -> "BudgetTally":
+    """A shadow tree at the widest budget, walked along the tokens a plain chunk made (`shadow_path`):
+    every budget gains the tokens its tree would have emitted, for the sequences live in the chunk."""
+    path, n_acc = shadow_path(tree, dp, made, steps, max_depth)
+    accepted = accepted_by_budget(ranks_on_path(path_rank(tree, path), n_acc), widths)   # [W, B]
+    shown = jnp.broadcast_to((steps > 0)[None, :], accepted.shape)
+    return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
+                       rounds=self.rounds + shown.astype(jnp.float32))
+
   def observe_plain(self, live_rounds) -> "BudgetTally":
     """Rounds at budget 0 (widths[0]; they verify `last` alone): live_rounds [B] per sequence, each
     showing budget 0 one token."""
@@ -92,13 +105,37 @@ class BudgetTally:
     return jnp.sum(self.tokens, 1) / jnp.maximum(jnp.sum(self.rounds, 1), 1e-6)
 
 
-def choose_budget(tally: BudgetTally, live, remaining, costs, segment, ac) -> tuple[jax.Array, jax.Array]:
+def shadow_path(tree: TreeDraft, dp: dict, made, steps, max_depth: int):
+  """The path a round verifying `tree` would have accepted, greedy, when the target's tokens after
+  `last` are made [B, m] (the first steps [B] of each row real): from the root, at each depth the
+  first valid child (in index order, as acceptance tries them) whose token is the target's.
+  Depths past n_max (per sequence) are cut, and a tree shallower than n_min accepts nothing, as in
+  `round.verify_tree`. -> (path [B, D] node indices, -1 past it; accepted [B])."""
+  b, t = tree.tokens.shape
+  shape = tree_shape(tree.parents, tree.n_nodes, max_depth)
+  within = shape.valid & (shape.depth <= dp["n_max"][:, None])                     # [B, T]
+  reach = jnp.max(jnp.where(within, shape.depth, 0), axis=1, initial=0)
+  within = within & (reach >= dp["n_min"])[:, None]
+  cur, on = jnp.full((b,), -1, jnp.int32), jnp.ones((b,), bool)
+  path = []
+  for j in range(max_depth):
+    tok = made[:, j] if j < made.shape[1] else jnp.zeros((b,), jnp.int32)
+    hit = within & (shape.parents == cur[:, None]) & (tree.tokens == tok[:, None])   # [B, T]
+    on = on & jnp.any(hit, axis=1) & (j < steps)
+    node = jnp.argmax(hit, axis=1).astype(jnp.int32)                                 # the first matching child
+    path.append(jnp.where(on, node, -1))
+    cur = jnp.where(on, node, cur)
+  path = jnp.stack(path, axis=1) if path else jnp.zeros((b, 0), jnp.int32)         # [B, D]
+  return path, jnp.sum(path >= 0, axis=1).astype(jnp.int32)
+
+
+def choose_budget(tally: BudgetTally, live, remaining, costs, segment, ac, shadowed: bool = False):
   """-> (budget index [], rounds []) of the next segment: the budget that finishes the batch soonest,
-  except on exploring segments (the first: the widest budget; every `explore_every`-th: one above the
-  choice)."""
+  except on exploring segments (the first: the widest budget; without shadow trees every
+  `explore_every`-th: one above the choice)."""
   n = costs.shape[0]
   best = adapt.choose_width_device(tally.tau(ac.prior_rounds), live, remaining, costs, ac.tie)
-  explore = segment % ac.explore_every == 0
+  explore = (segment == 0) if shadowed else (segment % ac.explore_every == 0)
   probe = jnp.where(segment == 0, n - 1, jnp.minimum(best + 1, n - 1))
   return (jnp.where(explore, probe, best).astype(jnp.int32),
           jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32))

@@ -22,12 +22,13 @@ the tree draft model, whose propose catches up at most that many new tokens.
 The target's side is plain decoding's step (same forward, sampler keys and emission), so greedy
 output is plain decoding's; sampled output is distributed as the target's, as in any round.
 
-Shadow drafts (`shadow`, chain drafters): each chunk starts with the drafter's full-width draft
-(`shadow_propose`) instead of `begin_chunk`, never verified but compared with the tokens the chunk
-makes: what verifying it would have accepted (greedy exactly; sampled, a point-mass draft matches
-the target's own sample with the probability verification accepts it, a sampled draft somewhat less
-often). Adaptive drafting's acceptance estimate then learns while backing off, so chain drafters
-need no exploring rounds at the widest width; the commit leaves the drafter as without the draft.
+Shadow drafts (`shadow`): each chunk starts with the drafter's full draft (`shadow_propose`: a
+chain at its full width, a tree at its full node budget) instead of `begin_chunk`, never verified
+but compared with the tokens the chunk makes: what verifying it would have accepted (greedy
+exactly; sampled, a point-mass draft matches the target's own sample with the probability
+verification accepts it, a sampled draft somewhat less often). Adaptive drafting's estimates then
+learn while backing off (`shadow_outcome` for chains; trees: `adaptive_tree.shadow_path`), so no
+exploring rounds at the widest width are needed; the commit leaves the drafter as without the draft.
 """
 
 from __future__ import annotations
@@ -59,11 +60,6 @@ def chunk_steps(spec: RoundSpec) -> int:
   return max(w, PLAIN_CHUNK_STEPS) if spec.drafter.long_chunks else w
 
 
-def shadows(spec: RoundSpec) -> bool:
-  """Width-0 rounds of this spec may run as plain chunks that start with a shadow draft (chains)."""
-  return supports(spec) and not spec.proposes_tree
-
-
 def shadow_outcome(draft: Draft, dp: dict, made, steps):
   """A shadow draft against the tokens a chunk made: (accepted [B], rejected [B]) as verification
   would have counted them. draft [B, K]; made [B, m] the chunk's tokens after `last` (row i's first
@@ -80,17 +76,28 @@ def shadow_outcome(draft: Draft, dp: dict, made, steps):
   return accepted, rejected.astype(jnp.int32)
 
 
-def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0, shadow: bool = False):
+def chain_shadow(dp: dict, batch: int):
+  """`plain_chunks`' shadow for a chain drafter: the shadow drafts' totals (accepted [B], rejected [B])."""
+  zeros = jnp.zeros((batch,), jnp.int32)
+
+  def observe(seen, draft, made, steps):
+    acc, rej = shadow_outcome(draft, dp, made, steps)
+    return seen[0] + acc, seen[1] + rej
+  return (zeros, zeros), observe
+
+
+def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_rounds: int = 0, shadow=None):
   """Up to `rounds` (traced) width-0 rounds of `spec` (`supports(spec)`) as plain decoding steps in
   chunks of up to `chunk_steps(spec)`, the drafter caught up after each.
   -> (carry, rounds each sequence was live in [B], rounds run []), and with `log_rounds` > 0
   (static; `rounds` <= it) the tokens each step emitted [log_rounds, B] (a server's per-round counts).
-  With `shadow` (static; `shadows(spec)`) each chunk starts with a shadow draft, and the result
-  ends with the shadow drafts' totals (accepted [B], rejected [B]) (`shadow_outcome`)."""
+  With `shadow` = (seen, observe) each chunk starts with a shadow draft, `observe(seen, draft, made,
+  steps) -> seen` reads it against the chunk's tokens (made [B, m]: the tokens after `last`, the first
+  steps[i] of row i real), and the result ends with the last `seen` (chains: `chain_shadow`)."""
   drafter = spec.drafter
   chunk = chunk_steps(spec)
   b = carry.state.last.shape[0]
-  full = dataclasses.replace(spec, width=None)                 # a shadow draft is the drafter's whole chain
+  full = dataclasses.replace(spec, width=None)                 # a shadow draft: the whole chain or tree
   step_tapped = lambda s: decode_step_tapped(inp.params, spec.cfg, s, inp.sampling, inp.stop_ids, inp.max_new,
                                              taps=spec.taps)
   taps_shape = jax.eval_shape(step_tapped, carry.state)[2]
@@ -103,7 +110,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_ro
     n = jnp.minimum(rounds - ran, chunk)
     state = parallel.constrain_state(carry.state)            # under a mesh the loop state keeps its layout
     dstate = parallel.constrain_state(carry.dstate, b, kv_on_model=spec.drafter_kv_on_model)
-    if shadow:
+    if shadow is not None:
       draft, dstate = drafter.shadow_propose(inp.dparams, dstate, draft_context(full, inp, state))
     else:
       dstate = drafter.begin_chunk(inp.dparams, dstate, draft_context(spec, inp, state))   # commit's needs, no draft
@@ -130,15 +137,15 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_ro
     result = RoundResult(n_accepted=jnp.maximum(steps - 1, 0), next_token=state.last, verified=bufs["tokens"],
                          prenorm=bufs["prenorm"], layer_taps=bufs["layers"], live=steps > 0)
     dstate = drafter.commit(inp.dparams, dstate, result)
-    if shadow:   # the chunk's tokens after `last`: its inputs x_1 .. x_{i-1}, then the new `last` x_i
+    if shadow is not None:   # the chunk's tokens after `last`: its inputs x_1 .. x_{i-1}, then the new `last` x_i
       made = jax.lax.dynamic_update_slice_in_dim(
           jnp.concatenate([bufs["tokens"], jnp.zeros((b, 1), jnp.int32)], axis=1), state.last[:, None], i, axis=1)
-      acc, rej = shadow_outcome(draft, inp.dp, made[:, 1:], steps)                  # [B], [B]
-      seen = (seen[0] + acc, seen[1] + rej)
+      seen = shadow[1](seen, draft, made[:, 1:], steps)
     return Carry(state=state, dstate=dstate, stats=stats), live_rounds + steps, ran + i, log, seen
 
   log = jnp.zeros((max(log_rounds, 1), b), jnp.int32)
-  zeros = jnp.zeros((b,), jnp.int32)
+  seen = () if shadow is None else shadow[0]
   carry, live_rounds, ran, log, seen = jax.lax.while_loop(
-      lambda c: (c[2] < rounds) & ~jnp.all(c[0].state.done), chunk_body, (carry, zeros, jnp.int32(0), log, (zeros, zeros)))
-  return (carry, live_rounds, ran) + ((log,) if log_rounds else ()) + ((seen,) if shadow else ())
+      lambda c: (c[2] < rounds) & ~jnp.all(c[0].state.done), chunk_body,
+      (carry, jnp.zeros((b,), jnp.int32), jnp.int32(0), log, seen))
+  return (carry, live_rounds, ran) + ((log,) if log_rounds else ()) + ((seen,) if shadow is not None else ())
