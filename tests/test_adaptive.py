@@ -19,7 +19,9 @@ from specjax.drafters.base import DraftParams
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.ngram_device import NgramSimpleDevice
+from specjax.engine.adaptive_loop import timing_key
 from specjax.engine.adaptive_replay import ReplayState, replay_segment
+from specjax.engine.round import RoundSpec
 from specjax.engine import speculative_generate
 from specjax.engine.sampling import SamplingParams
 from test_engine import N_SEQ, peaked_target  # noqa: F401
@@ -225,13 +227,13 @@ def test_warm_run_replaces_the_calibration_by_timed_rounds(tiny_llama):
   plain = generate_plain(params, cfg, PROMPTS3, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(widths=(0, 1, 2, 4), segment_rounds=3)
   drafter = DraftModelDrafter(cfg=cfg, max_draft=K, weights=perturb(params, 0.05, seed=4))
-  key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K), drafter=drafter)
+  key = timing_key(RoundSpec(cfg=cfg, drafter=drafter), params, len(PROMPTS3), 128, ac)
   speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
   measured = adapt._COSTS[key]
   assert key in adapt.TIMED and measured.shape == (4,) and np.all(measured > 0)
   other = NgramSimpleDevice(size_n=1, size_m=K)
   speculative_generate(params, cfg, PROMPTS3, other, max_new_tokens=2, capacity=128, warm_widths=True, adaptive=ac)
-  other_key = adapt.cost_key(params, cfg, len(PROMPTS3), 128, ac.widths_for(K), drafter=other)
+  other_key = timing_key(RoundSpec(cfg=cfg, drafter=other), params, len(PROMPTS3), 128, ac)
   assert other_key in adapt.TIMED and adapt._COSTS[key] is measured and adapt._COSTS[other_key] is not measured
   res = speculative_generate(params, cfg, PROMPTS3, drafter, max_new_tokens=MAX_NEW, capacity=128, adaptive=ac)
   assert res.tokens == plain

@@ -6,6 +6,8 @@ draft_tree (greedy identical to plain decoding; sampled output keeps the target'
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,13 +239,15 @@ def test_warm_run_times_every_budget_per_drafter(target, tmp_path):
   timed run chooses with them (not with the forward-only calibration, which is cached without the
   drafter), so it prunes the ladder as the warm-up did and compiles nothing, and generation stays
   lossless."""
-  from specjax.engine.adaptive_loop import adaptive_run
+  from specjax.engine.adaptive_loop import adaptive_run, timing_key
   d = _tree("eagle3_tree", target, tmp_path)
   other = _tree("dflash_tree", target, tmp_path)
   ac = adapt.AdaptiveConfig(segment_rounds=3)
   widths = ac.widths_for(NODES, tree=True)
-  key = adapt.cost_key(target.params, target.cfg, len(PROMPTS), 128, widths, drafter=d)
-  assert key != adapt.cost_key(target.params, target.cfg, len(PROMPTS), 128, widths, drafter=other)
+  key = timing_key(RoundSpec(cfg=target.cfg, drafter=d), target.params, len(PROMPTS), 128, ac)
+  assert key != timing_key(RoundSpec(cfg=target.cfg, drafter=other), target.params, len(PROMPTS), 128, ac)
+  assert key != timing_key(RoundSpec(cfg=target.cfg, drafter=d), target.params, len(PROMPTS), 128,
+                           dataclasses.replace(ac, shadow_drafts=False))       # another width-0 program
   adapt._COSTS.pop(key, None)
   adapt.TIMED.discard(key)
   kw = dict(max_new_tokens=MAX_NEW, capacity=128, draft_params=DraftParams(n_max=NODES), adaptive=ac)

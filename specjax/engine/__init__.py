@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax.drafters.base import DraftParams, check_drafter
 from specjax.engine import adaptive as adapt
-from specjax.engine.adaptive_loop import adaptive_loop
+from specjax.engine.adaptive_loop import adaptive_loop, timing_key
 from specjax.engine.generation import outputs_of, pad_prompts, plan_capacity
 from specjax.engine.host_loop import host_loop
 from specjax.engine.loops import device_loop, prefill_request
@@ -67,8 +67,7 @@ def _device_run(spec, inp, tokens, lens, *, cap, history_len, adaptive, costs, w
   if not adaptive:
     return device_loop(spec, inp, carry), None
   b = tokens.shape[0]
-  key = adapt.cost_key(inp.params, spec.cfg, b, cap, adaptive.widths_for(spec.drafter.max_draft, tree=spec.proposes_tree),
-                       drafter=spec.drafter)
+  key = timing_key(spec, inp.params, b, cap, adaptive)
   return adaptive_loop(spec, inp, carry, ac=adaptive, costs=costs, warm=warm_widths, cost_key=key)
 
 

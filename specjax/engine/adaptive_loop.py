@@ -70,6 +70,13 @@ def shadowed(spec: RoundSpec, ac) -> bool:
           and plain_chunks.supports(dataclasses.replace(spec, width=0)))
 
 
+def timing_key(spec: RoundSpec, params, batch: int, capacity: int, ac) -> tuple:
+  """What the device loop's timed round costs are cached under (`adapt.cost_key`): the shape, the
+  width ladder, the drafter, and whether width-0 rounds carry shadow drafts (a draft per chunk)."""
+  return adapt.cost_key(params, spec.cfg, batch, capacity, widths_of(spec, ac),
+                        drafter=(spec.drafter, shadowed(spec, ac)))
+
+
 def widths_of(spec: RoundSpec, ac, keep=None) -> tuple[int, ...]:
   """The widths (trees: node budgets) the loop chooses from, or those of them at indices `keep`."""
   widths = ac.widths_for(spec.drafter.max_draft, tree=spec.proposes_tree)
