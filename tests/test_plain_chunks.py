@@ -87,16 +87,18 @@ def test_plain_chunks_leave_the_state_of_width_zero_rounds(name, target, tmp_pat
     assert len(np.unique(np.asarray(got.tokens))) > 2, got.tokens
 
 
+@pytest.mark.parametrize("shadow", [True, False], ids=["shadow_drafts", "exploring"])
 @pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash"])
-def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, target, tmp_path):
+def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, shadow, target, tmp_path):
   """Adaptive drafting with a chain drafter whose drafts cost far more than they give (widths 0 / 2 /
   3 at 1 / 50 / 100 ms): batch 3 greedy output identical to plain decoding; most rounds run at width
-  0, as plain chunks; the exploring segments verify drafts."""
+  0, as plain chunks. Without shadow drafts the exploring segments verify drafts; with them no round
+  drafts (the prior's choice at these costs is plain decoding) and the shadow drafts were counted."""
   from specjax.engine import adaptive as adapt, speculative_generate
   spec = speculator_spec.get(name)
   d = spec.build(target, draft_params=DraftParams(n_max=3), **spec.example(target, tmp_path))
   ac = adapt.AdaptiveConfig(widths=(0, 2, 3), costs=(1.0, 50.0, 100.0), segment_rounds=4, explore_rounds=2,
-                            explore_every=3)
+                            explore_every=3, shadow_drafts=shadow)
   plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=24).tokens
   res = speculative_generate(target.params, target.cfg, PROMPTS, d, max_new_tokens=24,
                              draft_params=DraftParams(n_max=3), adaptive=ac)
@@ -104,7 +106,11 @@ def test_adaptive_chains_back_off_to_plain_chunks_losslessly(name, target, tmp_p
   rec = res.stats.adaptive
   at_zero = sum(n for w, n in rec["segments"] if w == 0)
   assert sum(n for _, n in rec["segments"]) == max(res.stats.per_seq_rounds), rec
-  assert at_zero >= max(res.stats.per_seq_rounds) / 2 and any(w == 3 for w, _ in rec["segments"]), rec
+  assert at_zero >= max(res.stats.per_seq_rounds) / 2, rec
+  if shadow:
+    assert rec["segments"] == [[0, at_zero]] and rec["shadow"]["accepted"] + rec["shadow"]["rejected"] > 0, rec
+  else:
+    assert any(w == 3 for w, _ in rec["segments"]) and rec["shadow"] is None, rec
 
 
 def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target, tmp_path):
@@ -251,9 +257,10 @@ def test_shadow_draft_counts_what_verifying_it_accepts(name, target, tmp_path):
 
 def test_shadow_drafts_turn_to_drafting_without_exploring(target):
   """Adaptive drafting with a chain drafter whose drafts are all wrong for the first 20 tokens and all
-  right after: the first (exploring) segment sees acceptance 0 and the loop backs off to width 0; with
-  shadow drafts it turns to the widest width once they match, without another exploring segment
-  (`explore_every` is never reached), and finishes in fewer rounds; without them it stays at width 0.
+  right after: the first segment (exploring; with shadow drafts the prior's choice, drafting at these
+  costs) sees acceptance 0 and the loop backs off to width 0; with shadow drafts it turns to the
+  widest width once they match, without an exploring segment (`explore_every` is never reached), and
+  finishes in fewer rounds; without them it stays at width 0.
   Greedy output identical to plain decoding's either way."""
   from specjax.engine import adaptive as adapt, speculative_generate
   max_new = 64

@@ -32,9 +32,11 @@ only a forward-only first estimate). tau_i(w), expected tokens per round:
 - otherwise censored-geometric per sequence: alpha_i = accepted / (accepted + rejections), decayed
   per segment, tau = 1 + alpha + .. + alpha^w. Chain drafters caught up in plain chunks at width 0
   (MTP, EAGLE-3, DFlash, ngram_mod) start each chunk with a shadow draft, compared with the chunk's
-  tokens and counted as a verified draft (`shadow_drafts`), so backing off keeps learning and only
-  the first segment is a short one (`explore_rounds`) at the widest width; without shadow drafts
-  positions beyond the chosen width get no evidence, and every `explore_every`-th segment explores.
+  tokens and counted as a verified draft (`shadow_drafts`), so backing off keeps learning and no
+  segment explores: the first (half a segment) runs the width the prior acceptance chooses, which
+  at a large batch, where a round costs far more than a plain step, is plain decoding. Without
+  shadow drafts positions beyond the chosen width get no evidence: the first segment and every
+  `explore_every`-th is a short one (`explore_rounds`) at the widest width.
 
 Ties in predicted time go to the widest width (within `tie`, default exact ties only: estimates from
 the stream so far understate wide widths, but a tie of a few percent let a narrow width win over
@@ -99,8 +101,8 @@ class AdaptiveConfig:
   shadow_drafts: bool = True      # device loop, chain drafters caught up in plain chunks at width 0 (MTP, EAGLE-3,
                                   # DFlash, ngram_mod): each chunk starts with a draft that is not verified but
                                   # compared with the chunk's tokens, and the acceptance estimate learns from it,
-                                  # so only the first segment explores at the widest width; off: an exploring
-                                  # segment every `explore_every` segments
+                                  # so no segment explores (trees: only the first); off: an exploring segment
+                                  # first and every `explore_every` segments
   backoff_segments: int = 2       # device loop, replayed drafters and shadow drafts: at most this many segments
                                   # run as one at width 0 (other drafters run width 0 up to their next exploring
                                   # segment)

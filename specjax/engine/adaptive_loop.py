@@ -13,9 +13,10 @@ segment, so nothing needs exploring); for tree drafters the width is the node bu
 round tallies what each smaller budget would have accepted (`adaptive_tree`); otherwise from the
 censored-geometric acceptance per sequence, which chain drafters caught up in plain chunks keep
 learning at width 0 from shadow drafts (`plain_chunks.shadow_outcome`: one full-width draft per
-chunk compared with the chunk's tokens), so only the first segment explores at the widest width;
-drafters without shadow drafts refresh it by a short segment at the widest width every
-`ac.explore_every` segments.
+chunk compared with the chunk's tokens), so nothing explores (the first, short segment runs the
+width the prior acceptance chooses); drafters without shadow drafts start with a short segment at
+the widest width and refresh it by another every `ac.explore_every` segments (trees with shadow
+trees: the first only).
 """
 
 from __future__ import annotations
@@ -115,11 +116,14 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
     explore = explore & ((ctl.segment == 0) |
                          (jnp.max(jnp.where(live, remaining, 0)) > ac.explore_rounds + ac.segment_rounds))
     span = to_explore
+    rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
     if shadowed(spec, ac):
-      explore, span = ctl.segment == 0, learning_span
+      # nothing explores: the first segment's width is the prior's choice (drafting where a round costs
+      # little more than a plain step, plain decoding where it costs much more), and a short one
+      explore, span = jnp.bool_(False), learning_span
+      rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
-    rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
   backoff = (widths[0] == 0) & (wi == 0) & ~explore
   span = jnp.where(backoff, jnp.maximum(span, 1), 1).astype(jnp.int32)
   rounds = rounds * span
