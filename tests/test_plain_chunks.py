@@ -149,6 +149,21 @@ def test_server_rounds_at_width_zero_leave_the_state_of_width_zero_rounds(target
       jnp.int32(m), rounds_max=rounds_max, masks=masks)
   assert [list(r[:m]) for r in np.asarray(new)] == [plain[2][1:], plain[0][1:]]
   assert np.array_equal(propose(state, dstate)[np.asarray(rows)], propose(want.state, want.dstate)[np.asarray(rows)])
+  # with shadow drafts: the same tokens and drafter state; the chunk's shadow draft, at its first round, counts
+  # what a verified round at the full width from the same state counts (positions observed, accepted)
+  carry = fresh()
+  state, dstate, new, counts, done, ran, _ = programs.run_rounds(
+      zero, target.params, inp.dparams, carry.state, carry.dstate, None, inp.sampling, dp, inp.stop_ids, inp.max_new,
+      jnp.int32(m), rounds_max=rounds_max, shadow=True)
+  counts = np.asarray(counts)
+  assert counts.shape == (5, rounds_max, b) and not counts[1:3].any()       # no verified drafts
+  assert [list(r[:m]) for r in np.asarray(new)] == [p[1:] for p in plain]
+  assert np.array_equal(propose(state, dstate), propose(want.state, want.dstate))
+  verified, _ = jax.jit(functools.partial(rounds_at, full))(inp, 1, fresh())
+  st = jax.device_get(verified.stats)
+  rejected = st.rejected + st.rounds - st.gen_drafts
+  assert counts[4, 0].tolist() == st.acc_tokens.tolist() and not counts[3:, 1:].any()
+  assert counts[3, 0].tolist() == np.where(rejected > 0, np.maximum(st.gen_tokens, 1), st.acc_tokens).tolist()
 
 
 def test_no_exploring_segment_when_the_batch_is_nearly_done(target, tmp_path):
@@ -308,7 +323,7 @@ def test_shadow_tree_tallies_what_verifying_it_accepts(name, target, tmp_path):
   empty = BudgetTally.init(len(widths), b)
   widest = dataclasses.replace(full, width=d.max_draft)
   _, verified, _ = jax.jit(functools.partial(rounds_tallied, widest, widths=widths))(inp, 1, fresh(), empty)
-  observe = lambda tally, tree, made, steps: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
+  observe = lambda tally, tree, made, steps, start: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
   m = depth + 1
   shadowed, _, _, tally = jax.jit(functools.partial(plain_chunks, zero, shadow=(empty, observe)))(inp, m, fresh())
   plain, _, _ = jax.jit(functools.partial(plain_chunks, zero))(inp, m, fresh())

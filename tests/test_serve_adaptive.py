@@ -270,3 +270,58 @@ def test_adaptive_tree_lossless_and_drops_a_tree_that_never_lands(offline_tiny):
   widths = engine.control.rounds_by_width
   # most rounds at budget 0 (how many exactly depends on when the requests' HTTP calls land)
   assert widths[8] >= engine.control.ac.explore_rounds and widths[0] > 0.5 * sum(widths.values()), widths
+
+
+def test_shadow_drafts_stand_in_for_exploring_in_the_servers_controllers():
+  """Where width-0 calls report shadow drafts (`shadowed`), neither controller explores: the chain
+  controller's plans never make every slot draft its whole n_max once width 0 is chosen (without
+  them its exploring stretches do), and a width-0 round's shadow drafts move the slots' acceptance
+  as verified drafts of those lengths would; the tree controller never probes a budget up, and a
+  budget-0 round's shadow trees show every budget, as a round at the widest budget does."""
+  from specjax.engine.adaptive import AdaptiveConfig
+  from specjax.serve.adaptive_slots import SlotWidthController
+  from specjax.serve.adaptive_tree_slots import SlotBudgetController
+
+  class Chain:
+    max_draft, on_device, replayable, proposes_tree = 3, True, False, False
+
+  class Tree:
+    max_draft, budgeted, proposes_tree, on_device = 8, True, True, True
+
+  ac = AdaptiveConfig(costs=(1.0, 5.0, 6.0, 7.0), explore_rounds=2, explore_every=2, segment_rounds=4)
+  live, n_max, n_min = np.ones(4, bool), np.full(4, 3), np.zeros(4, int)
+  drafted = {}
+  for shadowed in (True, False):
+    c = SlotWidthController(ac, 4, Chain(), rounds_per_call=4, shadowed=shadowed)
+    plans = []
+    for _ in range(12):
+      plan = c.plan(n_max, n_min, live, rounds=4)
+      plans.append(plan)
+      for _ in range(plan.rounds):
+        c.observe(plan, plan.width, np.zeros(4, int), np.zeros(4, int), live, 1.0, None, None)
+    drafted[shadowed] = [p.width for p in plans]
+  assert all(w == 0 for w in drafted[True]), drafted
+  assert sum(w == 3 for w in drafted[False]) >= 3, drafted            # an exploring stretch every 8 rounds
+  c = SlotWidthController(ac, 4, Chain(), rounds_per_call=4, shadowed=True)
+  before = c.acceptance.alpha.copy()
+  plan = c.plan(n_max, n_min, live, rounds=4)
+  shadow = np.asarray([[3, 3, 1, 2], [3, 3, 0, 0]])                   # slots 0, 1 matched 3 of 3; 2, 3 missed
+  c.observe(plan, 0, np.zeros(4, int), np.zeros(4, int), live, 1.0, None, None, shadow=shadow)
+  after = c.acceptance.alpha
+  assert (after[:2] > before[:2]).all() and (after[2:] < before[2:]).all(), (before, after)
+  assert c.rates.asked[0] > c.rates.asked[2]                          # position 1 observed in every slot
+
+  tree_ac = AdaptiveConfig(costs=(1.0, 5.0, 6.0), explore_rounds=1, explore_every=2)
+  t = SlotBudgetController(tree_ac, 3, Tree(), rounds_per_call=8, shadowed=True)
+  first = t.plan(n_max[:3], n_min[:3], live[:3], rounds=8)
+  assert first.width == 8                                             # the first stretch explores, as offline
+  t.observe(first, 8, None, None, live[:3], 1.0, None, None, ranks=np.full((3, 3), 2 ** 30))
+  widths = [t.plan(n_max[:3], n_min[:3], live[:3], rounds=8).width for _ in range(6)]
+  assert widths == [0] * 6, widths                                   # no probes one budget up
+  ranks = np.full((3, 3), 2 ** 30)
+  ranks[0, :2] = [0, 5]                                              # slot 0's shadow path: ranks 0, 5
+  before = t.tokens.copy()
+  t.observe(first, 0, None, None, live[:3], 1.0, None, None, ranks=ranks, shadow=np.asarray([[1, 1, 0], [2, 0, 0]]))
+  gained = t.tokens - before * t._decay
+  assert gained[:, 0].tolist() == pytest.approx([1.0, 2.0, 3.0])    # budget 0: 1, budget 4: rank 0 only, 8: both
+  assert gained[:, 1].tolist() == pytest.approx([1.0, 1.0, 1.0]) and gained[1:, 2].tolist() == [0.0, 0.0]

@@ -173,7 +173,7 @@ def _segment(specs, ac, inp: RoundInputs, carry: Carry, ctl: Control, widths, wi
     if plain_chunks.supports(spec_w):      # width 0: plain decoding steps, the drafter caught up per chunk
       if shadowed(spec_w, ac) and spec_w.proposes_tree:
         depth = max_depth_of(spec_w.drafter)
-        observe = lambda tally, tree, made, steps: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
+        observe = lambda tally, tree, made, steps, start: tally.observe_shadow(widths, tree, inp.dp, made, steps, depth)
         carry, live_rounds, n, budgets = plain_chunks.plain_chunks(spec_w, inp, n_i, carry, shadow=(budgets, observe))
       elif shadowed(spec_w, ac):
         carry, live_rounds, n, seen = plain_chunks.plain_chunks(spec_w, inp, n_i, carry,

@@ -61,8 +61,8 @@ def chunk_steps(spec: RoundSpec) -> int:
 
 
 def shadow_outcome(draft: Draft, dp: dict, made, steps):
-  """A shadow draft against the tokens a chunk made: (accepted [B], rejected [B]) as verification
-  would have counted them. draft [B, K]; made [B, m] the chunk's tokens after `last` (row i's first
+  """A shadow draft against the tokens a chunk made: (accepted [B], rejected [B], known [B]) as
+  verification would have counted them (known: the draft positions the chunk made a token for). draft [B, K]; made [B, m] the chunk's tokens after `last` (row i's first
   steps[i] are real). Positions past a sequence's steps are unknown (censored, neither accepted nor
   rejected); a draft cut by n_min (or empty) where the sequence may draft counts as rejected at its
   first position, as an empty round does in the controller's totals."""
@@ -73,15 +73,15 @@ def shadow_outcome(draft: Draft, dp: dict, made, steps):
   same = (draft.tokens[:, :n] == made[:, :n]) & (jnp.arange(n)[None, :] < known[:, None])   # [B, n]
   accepted = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
   rejected = (steps > 0) & (dp["n_max"] > 0) & ((accepted < known) | (dlen == 0))
-  return accepted, rejected.astype(jnp.int32)
+  return accepted, rejected.astype(jnp.int32), known
 
 
 def chain_shadow(dp: dict, batch: int):
   """`plain_chunks`' shadow for a chain drafter: the shadow drafts' totals (accepted [B], rejected [B])."""
   zeros = jnp.zeros((batch,), jnp.int32)
 
-  def observe(seen, draft, made, steps):
-    acc, rej = shadow_outcome(draft, dp, made, steps)
+  def observe(seen, draft, made, steps, start):
+    acc, rej, _ = shadow_outcome(draft, dp, made, steps)
     return seen[0] + acc, seen[1] + rej
   return (zeros, zeros), observe
 
@@ -92,8 +92,9 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_ro
   -> (carry, rounds each sequence was live in [B], rounds run []), and with `log_rounds` > 0
   (static; `rounds` <= it) the tokens each step emitted [log_rounds, B] (a server's per-round counts).
   With `shadow` = (seen, observe) each chunk starts with a shadow draft, `observe(seen, draft, made,
-  steps) -> seen` reads it against the chunk's tokens (made [B, m]: the tokens after `last`, the first
-  steps[i] of row i real), and the result ends with the last `seen` (chains: `chain_shadow`)."""
+  steps, start) -> seen` reads it against the chunk's tokens (made [B, m]: the tokens after `last`, the
+  first steps[i] of row i real; start []: the rounds run before the chunk), and the result ends with
+  the last `seen` (chains: `chain_shadow`)."""
   drafter = spec.drafter
   chunk = chunk_steps(spec)
   b = carry.state.last.shape[0]
@@ -140,7 +141,7 @@ def plain_chunks(spec: RoundSpec, inp: RoundInputs, rounds, carry: Carry, log_ro
     if shadow is not None:   # the chunk's tokens after `last`: its inputs x_1 .. x_{i-1}, then the new `last` x_i
       made = jax.lax.dynamic_update_slice_in_dim(
           jnp.concatenate([bufs["tokens"], jnp.zeros((b, 1), jnp.int32)], axis=1), state.last[:, None], i, axis=1)
-      seen = shadow[1](seen, draft, made[:, 1:], steps)
+      seen = shadow[1](seen, draft, made[:, 1:], steps, ran)
     return Carry(state=state, dstate=dstate, stats=stats), live_rounds + steps, ran + i, log, seen
 
   log = jnp.zeros((max(log_rounds, 1), b), jnp.int32)

@@ -16,10 +16,12 @@ batch whose slowest sequence sets the time):
 - other drafters: the host loop's rule (`choose_width_np`): tau_i(w) = 1 + p_1 + .. + p_min(w, n_i*),
   p_j the batch's acceptance by draft position (`PositionRates`, read optimistically while a
   position is rarely seen) and n_i* the longest draft slot i still reaches with probability
-  alpha_i^n >= `reach_min` (`longest_useful` of its censored-geometric `AdaptiveState`). Every
-  `explore_every` x `segment_rounds` rounds, `explore_rounds` rounds let every speculating slot draft
-  its whole n_max, which refreshes the positions narrow widths never reach and slots whose
-  acceptance had fallen to nothing.
+  alpha_i^n >= `reach_min` (`longest_useful` of its censored-geometric `AdaptiveState`). Device
+  drafters whose width-0 calls run as plain chunks start each chunk with a shadow draft (its whole
+  n_max, not verified, compared with the chunk's tokens: `engine.plain_chunks`), counted as a
+  verified draft, so nothing explores. Otherwise every `explore_every` x `segment_rounds` rounds,
+  `explore_rounds` rounds let every speculating slot draft its whole n_max, which refreshes the
+  positions narrow widths never reach and slots whose acceptance had fallen to nothing.
 
 A slot's estimates restart when a request joins it (the prior; for replay, the batch's pooled
 figure), so a drafter that never lands costs a new request a few rounds. A request that turned
@@ -136,9 +138,11 @@ class SlotWidthController(RoundCosts):
   """Width and draft lengths for B slots of one chain drafter: `plan` before a call of rounds,
   `observe` after each of its rounds, `join` when a request takes a slot."""
 
-  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1):
-    """`rounds_per_call`: the most rounds the server runs on one plan (the replay's reach)."""
+  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1, shadowed: bool = False):
+    """`rounds_per_call`: the most rounds the server runs on one plan (the replay's reach);
+    `shadowed`: width-0 calls report shadow drafts (`observe`'s `shadow`), so nothing explores."""
     super().__init__(ac, ac.widths_for(drafter.max_draft))                 # ascending, 0 first
+    self.shadowed = shadowed
     self.drafter, self.k = drafter, drafter.max_draft
     self.rounds_per_call = rounds_per_call
     self.device_drafter = drafter.on_device
@@ -174,8 +178,8 @@ class SlotWidthController(RoundCosts):
     n_max = np.where(live, n_max, 0)
     period = self.ac.explore_every * self.ac.segment_rounds
     at = self.round % period
-    exploring = not self.replayed and at < self.ac.explore_rounds
-    if not self.replayed:        # a call ends where an exploring stretch starts or ends
+    exploring = not self.replayed and not self.shadowed and at < self.ac.explore_rounds
+    if not self.replayed and not self.shadowed:        # a call ends where an exploring stretch starts or ends
       rounds = self._cut("explore", rounds, min(rounds, self.ac.explore_rounds - at if exploring else period - at))
     costs = self.plan_costs(bucket, rounds)
     if self.replayed:
@@ -229,14 +233,19 @@ class SlotWidthController(RoundCosts):
     return next(w for w in self.widths if w >= min(n, self.k))
 
   def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len,
-              bucket: int | None = None, ranks=None) -> None:
+              bucket: int | None = None, ranks=None, shadow=None) -> None:
     """After a round that ran at `width` (host drafters: the width their drafts needed) over
     `bucket` gathered slots in `ms` milliseconds: drafted [B] draft tokens verified, accepted [B],
     live [B] (before the round); history [B, H] and hist_len [B]: the slot batch's token history
-    now (device arrays); `ranks` (tree rounds' path ranks) unused."""
+    now (device arrays); `ranks` (tree rounds' path ranks) unused; `shadow` [2, B]: a width-0
+    round's shadow drafts (positions observed, accepted; `slot_programs.run_rounds`), counted as
+    verified drafts of those lengths."""
     self.acceptance = adapt.update(self.acceptance, drafted, accepted, live, self.ac.decay)
     if plan.lengths.any():
       self.rates.observe_round(plan.lengths, accepted, live)
+    if shadow is not None and width == 0 and np.any(shadow[0] > 0):
+      self.acceptance = adapt.update(self.acceptance, shadow[0], shadow[1], live, self.ac.decay)
+      self.rates.observe_round(shadow[0], shadow[1], live)
     self.observe_cost(width, ms, bucket)
     self._since_replay += 1
     self._since_join += live

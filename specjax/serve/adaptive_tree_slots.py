@@ -17,8 +17,10 @@ The rule is the chain controller's (`adaptive_slots`): the budget with the most 
 millisecond over the live slots, w = argmax_w sum_i live_i tau_i(w) / cost(w), cost(w) the running
 cost of this server's rounds at w in the call's batch bucket (`RoundCosts`). Exploration: the first
 `explore_rounds` rounds run at the widest budget (which shows every budget); budgets above the
-chosen one are shown only by probing, so every `explore_every`-th call runs one round at the budget
-one above the choice, and a rising acceptance climbs the ladder a budget at a time.
+chosen one are shown by shadow trees where budget-0 calls run as plain chunks (each chunk's tree at
+the widest budget, walked along the chunk's tokens: `engine.plain_chunks`), otherwise only by
+probing: every `explore_every`-th call runs one round at the budget one above the choice, and a
+rising acceptance climbs the ladder a budget at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class SlotBudgetController(RoundCosts):
   """Node budget and per-slot draft limits for B slots of one tree drafter: `plan` before a call of
   rounds, `observe` after each of its rounds, `join` when a request takes a slot."""
 
-  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1):
+  def __init__(self, ac: adapt.AdaptiveConfig, slots: int, drafter, rounds_per_call: int = 1, shadowed: bool = False):
+    """`shadowed`: budget-0 calls report shadow trees (`observe`'s `shadow`), so nothing probes."""
+    self.shadowed = shadowed
     k = int(drafter.max_draft)                                              # the tree's node budget
     widths = ac.widths_for(k, tree=True) if drafter.budgeted else (0, k)
     super().__init__(ac, widths)
@@ -67,7 +71,7 @@ class SlotBudgetController(RoundCosts):
       tau = np.where(speculating[None, :], self.tau(), 1.0)                 # a slot not drafting emits 1 per round
       wi = int(np.argmax(np.sum(np.where(live[None, :], tau, 0.0), axis=1) / costs))
       self.calls += 1
-      if self.calls % self.ac.explore_every == 0 and wi + 1 < len(self.widths):
+      if not self.shadowed and self.calls % self.ac.explore_every == 0 and wi + 1 < len(self.widths):
         wi, rounds = wi + 1, 1                                              # a probe one budget up: one round
     width = self.widths[wi]
     lengths = np.where(speculating & (width > 0), n_max, 0).astype(np.int32)
@@ -75,19 +79,23 @@ class SlotBudgetController(RoundCosts):
     return RoundPlan(width=width if lengths.any() else 0, lengths=lengths, rounds=rounds)
 
   def observe(self, plan: RoundPlan, width: int, drafted, accepted, live, ms: float, history, hist_len,
-              bucket: int | None = None, ranks=None) -> None:
+              bucket: int | None = None, ranks=None, shadow=None) -> None:
     """After a round at budget `width` over `bucket` gathered slots in `ms` milliseconds: live [B]
     (before the round), ranks [B, D] the accepted path's node ranks (`run_rounds`). Every budget up
     to `width` gains, for the slots that drafted, the tokens its tree would have emitted; budget 0
-    gains one token for every live slot."""
+    gains one token for every live slot. A budget-0 round with shadow trees (`shadow` [2, B]: 1
+    where a slot's tree was walked, and its accepted depth; `ranks` its path's) shows every budget
+    for those slots, as a round at the widest budget would."""
     live = np.asarray(live, bool)
     self.tokens[:, live] *= self._decay
     self.rounds[:, live] *= self._decay
     w = np.asarray(self.widths)
-    drafted_here = np.asarray(plan.lengths) > 0
-    accepted_at = (accepted_by_budget(np.asarray(ranks), self.widths) if ranks is not None and width > 0
+    shadowed = shadow is not None and width == 0 and bool(np.any(np.asarray(shadow[0]) > 0))
+    top = self.widths[-1] if shadowed else width
+    drafted_here = (np.asarray(shadow[0]) > 0) if shadowed else (np.asarray(plan.lengths) > 0)
+    accepted_at = (accepted_by_budget(np.asarray(ranks), self.widths) if ranks is not None and top > 0
                    else np.zeros((len(w), live.shape[0]), np.int64))                        # [W, B]
-    shown = (w <= width)[:, None] & live[None, :] & ((w == 0)[:, None] | drafted_here[None, :])
+    shown = (w <= top)[:, None] & live[None, :] & ((w == 0)[:, None] | drafted_here[None, :])
     self.tokens += np.where(shown, 1.0 + accepted_at, 0.0)
     self.rounds += shown
     self.observe_cost(width, ms, bucket)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import DraftParams, check_drafter
-from specjax.engine import RoundSpec
+from specjax.engine import RoundSpec, plain_chunks
 from specjax.engine.generation import GenState, round_up, target_of
 from specjax.engine.packed_tree import PackedTree
 from specjax.engine.adaptive_tree import PAST_PATH
@@ -99,6 +99,8 @@ class RoundOut:
   batch: int = 0         # the bucket the rounds ran in (slots gathered)
   ranks: np.ndarray | None = None   # [R, B, D] tree rounds under adaptive node budgets: the accepted path's
                                     # node ranks (`adaptive_tree.ranks_on_path`); else D = 0
+  shadow: np.ndarray | None = None  # [2, R, B] plain chunks' shadow drafts (draft positions observed, accepted)
+                                    # at each chunk's first round, not verified (`slot_programs.run_rounds`)
 
   @property
   def rounds(self) -> int:
@@ -144,11 +146,14 @@ class SlotEngine:
     self.control = None
     self.call_fixed_ms = 0.0               # a device call's time besides its rounds (`round_costs`)
     self.warm_phases: dict | None = None   # `warm`'s time by phase, once it has run
+    # width-0 calls start each plain chunk with a shadow draft the controller learns from
+    self.shadow = (adaptive is not None and adaptive.shadow_drafts and drafter is not None and drafter.on_device
+                   and not drafter.replayable and plain_chunks.supports(RoundSpec(cfg=self.cfg, drafter=drafter, width=0)))
     if adaptive is not None and drafter is not None:
       if drafter.proposes_tree and not drafter.on_device:
         raise ValueError("adaptive node budgets need a device tree drafter (its rounds report the path's ranks)")
       controller = SlotBudgetController if drafter.proposes_tree else SlotWidthController
-      self.control = controller(adaptive, slots, drafter, rounds_per_call=self.rounds_max)
+      self.control = controller(adaptive, slots, drafter, rounds_per_call=self.rounds_max, shadowed=self.shadow)
     self._init_batch()
 
   @property
@@ -340,7 +345,7 @@ class SlotEngine:
     inputs = self._device_params()
     if self.drafter is None or (not width and not self.drafter.on_device):
       return RoundSpec(cfg=self.cfg, rollback=self.rollback), inputs
-    if self.control is not None:
+    if self.control is not None and (width or not self.shadow):   # a shadow draft drafts the requests' n_max
       sampling, dp, max_new = inputs
       inputs = sampling, {**dp, "n_max": self._on_device(np.asarray(lengths, np.int32))}, max_new
     return self._spec(width), inputs
@@ -428,7 +433,8 @@ class SlotEngine:
       t_obs = time.perf_counter()
       for r in range(out.rounds):
         self.control.observe(plan, out.width, out.drafted[r], out.accepted[r], out.emitted[r] > 0, ms,
-                             self.state.history, self.state.hist_len, bucket=bucket, ranks=out.ranks[r])
+                             self.state.history, self.state.hist_len, bucket=bucket, ranks=out.ranks[r],
+                             shadow=None if out.shadow is None else out.shadow[:, r])
       self._add_seconds("observe", time.perf_counter() - t_obs)
     self.live &= ~out.done
     self._add_seconds("step", time.perf_counter() - t_start)
@@ -460,7 +466,8 @@ class SlotEngine:
     return ((spec, *self._packed, self.state, self.dstate, self._on_device(rows), sampling, dp, self.stop, max_new,
              self._on_device(np.int32(rounds)), *draft),
             dict(rounds_max=1 if draft[0] is not None else self.rounds_max, masks=None if rows is None else self._masks,
-                 ranks=isinstance(self.control, SlotBudgetController)))     # the path's ranks only where read
+                 ranks=isinstance(self.control, SlotBudgetController),      # the path's ranks only where read
+                 shadow=self.shadow and spec.width == 0))
 
   def _call(self, spec: RoundSpec, rows, rounds: int, width: int, inputs, draft=None) -> RoundOut:
     """One `run_rounds` call; its outputs on the host as [B] arrays (slots outside `rows`: nothing emitted)."""
@@ -473,14 +480,15 @@ class SlotEngine:
     self._add_seconds("fetch", time.perf_counter() - t1)
     counts, ranks = counts[:, :int(ran)], ranks[:int(ran)]
     if rows is None:
-      return RoundOut(new, counts[0].sum(axis=0), done, *counts, width=width, batch=self.b, ranks=ranks)
+      return RoundOut(new, counts[0].sum(axis=0), done, *counts[:3], width=width, batch=self.b, ranks=ranks,
+                      shadow=counts[3:] if len(counts) > 3 else None)
     full_new = np.zeros((self.b, new.shape[1]), new.dtype)
     full_counts = np.zeros(counts.shape[:2] + (self.b,), counts.dtype)
     full_ranks = np.full((ranks.shape[0], self.b, ranks.shape[2]), PAST_PATH, ranks.dtype)
     full_done = ~self.live
     full_new[rows], full_counts[:, :, rows], full_done[rows], full_ranks[:, rows] = new, counts, done, ranks
-    return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts, width=width, batch=len(rows),
-                    ranks=full_ranks)
+    return RoundOut(full_new, full_counts[0].sum(axis=0), full_done, *full_counts[:3], width=width, batch=len(rows),
+                    ranks=full_ranks, shadow=full_counts[3:] if len(full_counts) > 3 else None)
 
   def _spec(self, width: int) -> RoundSpec:
     """The device drafter's round at `width` (its full width: the spec of the fixed loop)."""

@@ -21,12 +21,13 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import Draft
 from specjax.engine import Carry, RoundInputs, plain_chunks, run_round
-from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path
+from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path, shadow_path
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.packed_tree import unpack
 from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
+from specjax.engine.tree import max_depth_of, path_rank
 
 
 def has_slot_axis(big, small) -> bool:
@@ -145,9 +146,31 @@ def _one_round(spec, inp: RoundInputs, host_draft, width: int, depth: int):
   return speculative
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "rounds_max", "masks", "ranks"), donate_argnames=("state", "dstate"))
+def _shadow_counts(spec, dp: dict, rounds_max: int, depth: int):
+  """`plain_chunks`' shadow for the server: each chunk's shadow draft, logged at the chunk's first round
+  as (draft positions observed [R, b], of them accepted [R, b], tree path ranks [R, b, D]), the form of
+  a verified round's counts. Chains: a rejected draft counts its known positions (at least one, so a
+  draft cut to nothing counts as rejected at its first position), a fully matched one its accepted
+  tokens; trees: 1 where a shadow tree was walked (the slot was live), its path's accepted depth and
+  node ranks (`adaptive_tree.shadow_path`)."""
+  def observe(seen, draft, made, steps, start):
+    drafted, accepted, ranks = seen
+    at = jnp.minimum(start, rounds_max - 1)
+    if spec.proposes_tree:
+      path, n_acc = shadow_path(draft, dp, made, steps, max_depth_of(spec.drafter))
+      rank = ranks_on_path(path_rank(draft, path), n_acc)[:, :depth]                # [b, D]
+      shown = steps > 0
+      ranks = ranks.at[at].set(jnp.where(shown[:, None], rank, PAST_PATH))
+      return drafted.at[at].set(shown.astype(jnp.int32)), accepted.at[at].set(n_acc), ranks
+    acc, rej, known = plain_chunks.shadow_outcome(draft, dp, made, steps)
+    return drafted.at[at].set(jnp.where(rej > 0, jnp.maximum(known, 1), acc)), accepted.at[at].set(acc), ranks
+  return observe
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "rounds_max", "masks", "ranks", "shadow"),
+                   donate_argnames=("state", "dstate"))
 def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_ids, max_new, n_rounds,
-               draft_tokens=None, draft_lengths=None, *, rounds_max, masks=None, ranks=False):
+               draft_tokens=None, draft_lengths=None, *, rounds_max, masks=None, ranks=False, shadow=False):
   """Up to `n_rounds` (<= rounds_max) rounds over the slots `rows` [b] (None: every slot), ending
   early once all of them are done (a slot stops at its stop token or max_new inside the loop, as
   the round's emission does, while the others go on). The rows are gathered into a batch-b state,
@@ -157,7 +180,10 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
   params / dparams: pytrees, or `PackedTree`s of them (cheaper to pass on every call).
   -> (state, dstate, new tokens [b, rounds_max * (W+1)], counts [3, rounds_max, b] (emitted, draft
   tokens verified, accepted, per round), done [b], rounds run, ranks [rounds_max, b, D]: with `ranks`
-  (adaptive node budgets read them), a tree round's accepted-path node ranks; else D = 0)."""
+  (adaptive node budgets read them), a tree round's accepted-path node ranks; else D = 0). With
+  `shadow`, rounds run as plain chunks start each chunk with a shadow draft (`engine.plain_chunks`):
+  counts gains two rows, [5, rounds_max, b], its positions observed and accepted at the chunk's first
+  round (`_shadow_counts`), and the ranks its tree's path; verified drafts' rows stay zero."""
   params, dparams = unpack(params), unpack(dparams)
   full_state, full_dstate = state, dstate
   if rows is not None:
@@ -182,14 +208,24 @@ def run_rounds(spec, params, dparams, state, dstate, rows, sampling, dp, stop_id
     # width 0 of a drafter whose commit takes chunks: plain decoding steps, the drafter caught up per
     # chunk (`engine.plain_chunks`), instead of rounds that draft and drop
     carry = Carry(state=state, dstate=dstate, stats=RoundStats.zeros(b, width))
-    carry, _, ran, emitted = plain_chunks.plain_chunks(spec, inp, jnp.minimum(n_rounds, rounds_max), carry,
-                                                       log_rounds=rounds_max)
+    zeros = jnp.zeros((rounds_max, b), jnp.int32)
+    if shadow:
+      seen = (zeros, zeros, path_ranks)
+      carry, _, ran, emitted, (s_drafted, s_accepted, path_ranks) = plain_chunks.plain_chunks(
+          spec, inp, jnp.minimum(n_rounds, rounds_max), carry, log_rounds=rounds_max,
+          shadow=(seen, _shadow_counts(spec, dp, rounds_max, depth)))
+      counts = jnp.stack([emitted, zeros, zeros, s_drafted, s_accepted])         # [5, rounds_max, b]
+    else:
+      carry, _, ran, emitted = plain_chunks.plain_chunks(spec, inp, jnp.minimum(n_rounds, rounds_max), carry,
+                                                         log_rounds=rounds_max)
+      counts = jnp.stack([emitted, zeros, zeros])                                 # [3, rounds_max, b]
     state, dstate = carry.state, carry.dstate
-    counts = jnp.stack([emitted, jnp.zeros_like(emitted), jnp.zeros_like(emitted)])   # [3, rounds_max, b]
   else:
     start = (jnp.int32(0), state, dstate, jnp.zeros((3, rounds_max, b), jnp.int32), path_ranks)
     ran, state, dstate, counts, path_ranks = jax.lax.while_loop(lambda c: (c[0] < n_rounds) & ~jnp.all(c[1].done),
                                                                 body, start)
+    if shadow:                                                                     # no shadow drafts ran
+      counts = jnp.concatenate([counts, jnp.zeros((2, rounds_max, b), jnp.int32)])
   new, done = new_tokens(before, state, rounds_max * (width + 1)), state.done
   if rows is not None:
     state = scatter_rows(full_state, rows, state, masks[0], shared_from_sub=True)
