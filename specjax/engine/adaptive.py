@@ -33,7 +33,7 @@ only a forward-only first estimate). tau_i(w), expected tokens per round:
   per segment, tau = 1 + alpha + .. + alpha^w. Chain drafters caught up in plain chunks at width 0
   (MTP, EAGLE-3, DFlash, ngram_mod) start each chunk with a shadow draft, compared with the chunk's
   tokens and counted as a verified draft (`shadow_drafts`), so backing off keeps learning and no
-  segment explores: the first (half a segment) runs the width the prior acceptance chooses, which
+  segment explores: the first (`explore_rounds` long) runs the width the prior acceptance chooses, which
   at a large batch, where a round costs far more than a plain step, is plain decoding. Without
   shadow drafts positions beyond the chosen width get no evidence: the first segment and every
   `explore_every`-th is a short one (`explore_rounds`) at the widest width.

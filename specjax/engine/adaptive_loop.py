@@ -118,10 +118,10 @@ def _choose(spec, ac, carry: Carry, ctl: Control, inp: RoundInputs, costs, width
     span = to_explore
     rounds = jnp.where(explore, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
     if shadowed(spec, ac):
-      # nothing explores: the first segment's width is the prior's choice (drafting where a round costs
-      # little more than a plain step, plain decoding where it costs much more), and a short one
+      # nothing explores: the first segment runs the prior's choice (drafting where a round costs little
+      # more than a plain step, plain decoding where it costs much more) for as long as an exploring one
       explore, span = jnp.bool_(False), learning_span
-      rounds = jnp.where(ctl.segment == 0, max(ac.segment_rounds // 2, 1), ac.segment_rounds).astype(jnp.int32)
+      rounds = jnp.where(ctl.segment == 0, ac.explore_rounds, ac.segment_rounds).astype(jnp.int32)
     tau = adapt.tau_geometric(ctl.acceptance.alpha, widths)
     wi = jnp.where(explore, len(widths) - 1, adapt.choose_width_device(tau, live, remaining, costs, ac.tie))
   backoff = (widths[0] == 0) & (wi == 0) & ~explore
