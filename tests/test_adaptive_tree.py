@@ -155,6 +155,20 @@ def test_tally_counts_what_each_budget_would_have_accepted():
   assert np.asarray(BudgetTally.init(4, 2).tau(8.0)).tolist() == [[1.0, 1.0]] * 4   # nothing shown: plain
 
 
+def test_a_slow_sequence_is_never_raised_toward_the_batch():
+  """A static batch waits for its slowest sequence, so a sequence's tokens per round at a budget is
+  its own figure shrunk toward the batch's pooled one only downward: a sequence that showed 1.25
+  tokens a round over 4 rounds keeps 1.25 beside one that showed 3.0 over 40 (raising it toward the
+  pooled ~2.84 made the loop draft where that sequence gained too little), while the fast one is
+  pulled down toward the pooled figure; a sequence nothing showed reads the pooled figure."""
+  tally = BudgetTally(tokens=jnp.asarray([[4.0, 40.0, 0.0], [5.0, 120.0, 0.0]]),
+                      rounds=jnp.asarray([[4.0, 40.0, 0.0], [4.0, 40.0, 0.0]]))
+  tau = np.asarray(tally.tau(prior_rounds=8.0))
+  pooled = 125.0 / 44.0
+  assert tau[1, 0] == pytest.approx(1.25) and tau[1, 1] == pytest.approx((120 + 8 * pooled) / 48) and tau[1, 1] < 3.0
+  assert tau[1, 2] == pytest.approx(pooled) and tau[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
 @pytest.mark.parametrize("costs,want", [((1.0, 1.05, 1.1, 1.25, 1.6), 8), ((1.0, 1.9, 2.6, 3.8, 6.5), 0),
                                         ((1.0, 1.0, 1.0, 1.0, 1.0), 32)], ids=["batch8", "batch64", "flat"])
 def test_chooser_picks_the_budget_from_measured_costs(costs, want):
@@ -182,14 +196,20 @@ def test_chooser_picks_the_budget_from_measured_costs(costs, want):
 @pytest.mark.parametrize("name", ["draft_tree", "eagle3_tree", "dflash_tree"])
 def test_greedy_is_lossless_and_budgets_follow_acceptance(name, shadow, target, tmp_path):
   """Batch 3, 24 new tokens, budgets 0 / 4 / 8 at 1.0 / 1.3 / 1.5 ms a round, segments of 3 rounds,
-  every second one exploring: greedy output identical to plain decoding. draft_tree (a perturbed
-  copy of the target: often right) spends most rounds on trees; eagle3_tree and dflash_tree with
+  every second one exploring: greedy output identical to plain decoding. draft_tree (here the target
+  drafting for itself: its best path is always right) spends most rounds on trees; eagle3_tree and dflash_tree with
   random heads (useless) fall to plain rounds (budget 0) but for the exploring segments: the first,
   at the widest budget, and without shadow trees the probes one budget above the choice (with them,
   the plain chunks' shadow trees show every budget, and no later segment drafts)."""
   plain = generate_plain(target.params, target.cfg, PROMPTS, max_new_tokens=MAX_NEW).tokens
   ac = adapt.AdaptiveConfig(costs=COSTS, segment_rounds=3, explore_rounds=2, explore_every=2, shadow_drafts=shadow)
-  res = speculative_generate(target.params, target.cfg, PROMPTS, _tree(name, target, tmp_path), max_new_tokens=MAX_NEW,
+  if name == "draft_tree":
+    from specjax.drafters.draft_model_tree import DraftModelTreeDrafter
+    drafter = DraftModelTreeDrafter(cfg=target.cfg, depth=TREE["depth"], top_k=TREE["top_k"], n_nodes=NODES,
+                                    weights=target.params)
+  else:
+    drafter = _tree(name, target, tmp_path)
+  res = speculative_generate(target.params, target.cfg, PROMPTS, drafter, max_new_tokens=MAX_NEW,
                              draft_params=DraftParams(n_max=NODES), adaptive=ac)
   assert res.tokens == plain, name
   rec, total = res.stats.adaptive, max(res.stats.per_seq_rounds)
