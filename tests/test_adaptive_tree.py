@@ -155,20 +155,6 @@ def test_tally_counts_what_each_budget_would_have_accepted():
   assert np.asarray(BudgetTally.init(4, 2).tau(8.0)).tolist() == [[1.0, 1.0]] * 4   # nothing shown: plain
 
 
-def test_a_slow_sequence_is_never_raised_toward_the_batch():
-  """A static batch waits for its slowest sequence, so a sequence's tokens per round at a budget is
-  its own figure shrunk toward the batch's pooled one only downward: a sequence that showed 1.25
-  tokens a round over 4 rounds keeps 1.25 beside one that showed 3.0 over 40 (raising it toward the
-  pooled ~2.84 made the loop draft where that sequence gained too little), while the fast one is
-  pulled down toward the pooled figure; a sequence nothing showed reads the pooled figure."""
-  tally = BudgetTally(tokens=jnp.asarray([[4.0, 40.0, 0.0], [5.0, 120.0, 0.0]]),
-                      rounds=jnp.asarray([[4.0, 40.0, 0.0], [4.0, 40.0, 0.0]]))
-  tau = np.asarray(tally.tau(prior_rounds=8.0))
-  pooled = 125.0 / 44.0
-  assert tau[1, 0] == pytest.approx(1.25) and tau[1, 1] == pytest.approx((120 + 8 * pooled) / 48) and tau[1, 1] < 3.0
-  assert tau[1, 2] == pytest.approx(pooled) and tau[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
-
-
 @pytest.mark.parametrize("costs,want", [((1.0, 1.05, 1.1, 1.25, 1.6), 8), ((1.0, 1.9, 2.6, 3.8, 6.5), 0),
                                         ((1.0, 1.0, 1.0, 1.0, 1.0), 32)], ids=["batch8", "batch64", "flat"])
 def test_chooser_picks_the_budget_from_measured_costs(costs, want):

@@ -97,13 +97,8 @@ class BudgetTally:
     return BudgetTally(tokens=decay * self.tokens, rounds=decay * self.rounds)
 
   def tau(self, prior_rounds: float) -> jax.Array:
-    """[W, B] expected tokens per round at each budget: shrunk toward the batch's pooled figure by
-    `prior_rounds` rounds, but never above what the sequence's own rounds showed (1 before anything
-    is shown). A static batch waits for its slowest sequence, and raising a slow sequence toward the
-    batch's figure made the loop draft where that sequence gained too little to pay for the rounds."""
-    shrunk = adapt.tau_replayed(self.tokens, self.rounds, prior_rounds)
-    own = self.tokens / jnp.maximum(self.rounds, 1e-6)
-    return jnp.where(self.rounds > 0, jnp.minimum(shrunk, own), shrunk)
+    """[W, B] expected tokens per round at each budget (1 before anything is shown)."""
+    return adapt.tau_replayed(self.tokens, self.rounds, prior_rounds)
 
   def pooled(self) -> jax.Array:
     """[W] the batch's tokens per round at each budget (decayed)."""
