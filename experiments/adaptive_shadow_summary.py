@@ -82,14 +82,23 @@ def plot(summary: dict, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   names = list(summary["methods"])
-  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-  for ax, key, label in ((axes[0], "x_width0", "modeled time of always width 0 / the controller's"),
-                         (axes[1], "explored_after_first", "rounds at the widest width after the first segment")):
-    vals = [summary["methods"][n]["total"].get(key) or 0 for n in names]
-    ax.bar(names, vals, color=["tab:orange" if n.endswith("_shadow") else "tab:blue" for n in names])
-    ax.set_title(label, fontsize=9)
-    ax.tick_params(axis="x", rotation=45)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.0))
+  vals = [summary["methods"][n]["total"].get("x_width0") or 0 for n in names]
+  axes[0].bar(names, vals, color=["tab:orange" if n.endswith("_shadow") else "tab:blue" for n in names])
+  axes[0].set_title("all batches: modeled time of always width 0 / the controller's", fontsize=9)
+  axes[0].tick_params(axis="x", rotation=45)
   axes[0].axhline(1.0, color="gray", lw=0.8)
+  colors = {}
+  for n in names:
+    base = n.rsplit("_", 1)[0]
+    colors.setdefault(base, f"C{len(colors)}")
+    bs = summary["methods"][n]["batches"]
+    axes[1].plot([b["batch"] for b in bs], [b["x_width0"] for b in bs], marker="o", color=colors[base],
+                 ls="-" if n.endswith("_shadow") else "--", label=n)
+  axes[1].axhline(1.0, color="gray", lw=0.8)
+  axes[1].set_xlabel("batch")
+  axes[1].set_title("per batch (solid: shadow drafts, dashed: exploring segments)", fontsize=9)
+  axes[1].legend(fontsize=7, ncol=2)
   fig.suptitle(f"adaptive drafting with / without shadow drafts, batch {summary['batch_size']}, fixed GPU round costs "
                f"(run on {summary['device']})", fontsize=10)
   fig.tight_layout()
