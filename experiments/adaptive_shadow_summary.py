@@ -3,12 +3,12 @@ configs/bench_adaptive_shadow_smollm2_b8.yaml (round costs fixed to a GPU's time
 are those the controller makes there; the run itself may be on the CPU).
 
 Per method and batch: rounds at each width, the rounds at the widest width after the first segment
-(chains: exploring segments) and at any drafting width after it (trees' probes are one budget above
-the choice), the batch's rounds, and the modeled time sum(rounds x cost(width)) at the method's
+(exploring segments, or that width chosen) and at any drafting width after it (chosen widths, and
+trees' probes one budget above the choice), the batch's rounds, and the modeled time sum(rounds x cost(width)) at the method's
 fixed costs against the batch's plain rounds at the same program's width-0 cost (`x_width0`: above 1
 the controller's drafting paid at those costs, below it lost against backing off for every round).
 Leaves out what the fixed costs leave out: a shadow draft's own cost per plain chunk (one full-width
-draft per chunk of up to 32 steps) and the per-call costs. Writes JSON and a bar chart.
+draft per chunk of up to 32 steps) and the per-call costs. Writes JSON and a chart (all batches, per batch).
 
   python experiments/adaptive_shadow_summary.py RESULT.json --out SUMMARY.json
 """
@@ -31,7 +31,7 @@ def batch_record(rows: list[dict]) -> dict | None:
   return next((r["adaptive"] for r in rows if r.get("adaptive")), None)
 
 
-def explored_after_first(segments: list[list[int]], widest: int) -> int:
+def widest_after_first(segments: list[list[int]], widest: int) -> int:
   """Rounds of segments at the widest width after the first segment."""
   return sum(n for w, n in segments[1:] if w == widest)
 
@@ -62,13 +62,13 @@ def summarize(d: dict) -> dict:
       emitted = sum(r["emitted"] for r in batch)          # tokens the rounds emitted (the prefill's first not counted)
       row = {"batch": i, "categories": sorted({r["category"] for r in batch}), "rounds": rounds,
              "plain_rounds": plain_rounds, "rounds_by_width": {str(w): n for w, n in sorted(by_width.items())},
-             "explored_after_first": explored_after_first(segs, max(costs)),
+             "widest_after_first": widest_after_first(segs, max(costs)),
              "drafted_after_first": sum(n for w, n in segs[1:] if w > 0), "segments": segs,
              "model_ms": round(model_ms, 2), "width0_ms": round(width0_ms, 2),
              "x_width0": round(width0_ms / model_ms, 4), "tau": round(emitted / max(emitted - acc, 1), 3),
              "equal": sum(bool(r["equal_to_plain"]) for r in batch), "prompts": len(batch), "shadow": rec.get("shadow")}
       per_batch.append(row)
-      for k in ("rounds", "plain_rounds", "explored_after_first", "drafted_after_first", "model_ms", "width0_ms", "equal", "prompts"):
+      for k in ("rounds", "plain_rounds", "widest_after_first", "drafted_after_first", "model_ms", "width0_ms", "equal", "prompts"):
         totals[k] += row[k]
     totals = dict(totals)
     totals["x_width0"] = round(totals["width0_ms"] / totals["model_ms"], 4) if totals.get("model_ms") else None
