@@ -81,8 +81,7 @@ class BudgetTally:
   def observe_shadow(self, widths: tuple[int, ...], tree: TreeDraft, dp: dict, made, steps, max_depth: int) -> "BudgetTally":
     """A shadow tree at the widest budget, walked along the tokens a plain chunk made (`shadow_path`):
     every budget gains the tokens its tree would have emitted, for the sequences live in the chunk."""
-    path, n_acc = shadow_path(tree, dp, made, steps, max_depth)
-    accepted = accepted_by_budget(ranks_on_path(path_rank(tree, path), n_acc), widths)   # [W, B]
+    accepted = accepted_by_budget(shadow_ranks(tree, dp, made, steps, max_depth)[0], widths)   # [W, B]
     shown = jnp.broadcast_to((steps > 0)[None, :], accepted.shape)
     return BudgetTally(tokens=self.tokens + jnp.where(shown, 1.0 + accepted, 0.0),
                        rounds=self.rounds + shown.astype(jnp.float32))
@@ -127,6 +126,13 @@ def shadow_path(tree: TreeDraft, dp: dict, made, steps, max_depth: int):
     cur = jnp.where(on, node, cur)
   path = jnp.stack(path, axis=1) if path else jnp.zeros((b, 0), jnp.int32)         # [B, D]
   return path, jnp.sum(path >= 0, axis=1).astype(jnp.int32)
+
+
+def shadow_ranks(tree: TreeDraft, dp: dict, made, steps, max_depth: int):
+  """(`ranks_on_path` [B, D] of the path `shadow_path` walks, its accepted depth [B]): what a verified
+  round's `Verdict.path_rank` and `n_accepted` would have shown."""
+  path, n_acc = shadow_path(tree, dp, made, steps, max_depth)
+  return ranks_on_path(path_rank(tree, path), n_acc), n_acc
 
 
 def choose_budget(tally: BudgetTally, live, remaining, costs, segment, ac, shadowed: bool = False):

@@ -62,8 +62,8 @@ def chunk_steps(spec: RoundSpec) -> int:
 
 def shadow_outcome(draft: Draft, dp: dict, made, steps):
   """A shadow draft against the tokens a chunk made: (accepted [B], rejected [B], known [B]) as
-  verification would have counted them (known: the draft positions the chunk made a token for). draft [B, K]; made [B, m] the chunk's tokens after `last` (row i's first
-  steps[i] are real). Positions past a sequence's steps are unknown (censored, neither accepted nor
+  verification would have counted them (known: the draft positions the chunk made a token for).
+  draft [B, K]; made [B, m] the chunk's tokens after `last` (row i's first steps[i] are real). Positions past a sequence's steps are unknown (censored, neither accepted nor
   rejected); a draft cut by n_min (or empty) where the sequence may draft counts as rejected at its
   first position, as an empty round does in the controller's totals."""
   dlen = jnp.minimum(draft.lengths, dp["n_max"])

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import Draft
 from specjax.engine import Carry, RoundInputs, plain_chunks, run_round
-from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path, shadow_path
+from specjax.engine.adaptive_tree import PAST_PATH, ranks_on_path, shadow_ranks
 from specjax.engine.decode import decode_step_counted
 from specjax.engine.generation import GenState, emit, target_of
 from specjax.engine.packed_tree import unpack
 from specjax.engine.sampling import init_keys, next_token, split_keys
 from specjax.engine.stats import RoundStats
-from specjax.engine.tree import max_depth_of, path_rank
+from specjax.engine.tree import max_depth_of
 
 
 def has_slot_axis(big, small) -> bool:
@@ -157,8 +157,8 @@ def _shadow_counts(spec, dp: dict, rounds_max: int, depth: int):
     drafted, accepted, ranks = seen
     at = jnp.minimum(start, rounds_max - 1)
     if spec.proposes_tree:
-      path, n_acc = shadow_path(draft, dp, made, steps, max_depth_of(spec.drafter))
-      rank = ranks_on_path(path_rank(draft, path), n_acc)[:, :depth]                # [b, D]
+      rank, n_acc = shadow_ranks(draft, dp, made, steps, max_depth_of(spec.drafter))
+      rank = rank[:, :depth]                                                        # [b, D]
       shown = steps > 0
       ranks = ranks.at[at].set(jnp.where(shown[:, None], rank, PAST_PATH))
       return drafted.at[at].set(shown.astype(jnp.int32)), accepted.at[at].set(n_acc), ranks
